@@ -1,0 +1,39 @@
+# pgidem — see README.md. Every target runs against a real Postgres server found through
+# DATABASE_URL, libpq PG* variables, or postgres://postgres@127.0.0.1:5432 (internal/dbserver).
+
+GO            ?= go
+STATICCHECK   := honnef.co/go/tools/cmd/staticcheck@v0.8.2
+BENCHSTAT     := golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-22c9c6c9d4da
+TEST_FLAGS    ?=
+BENCH         ?= .
+BENCH_COUNT   ?= 6
+
+.PHONY: all test lint demo bench build tidy
+
+all: lint test
+
+build:
+	$(GO) build ./...
+
+## test: every package under the race detector, against real Postgres.
+test:
+	$(GO) test -race -count=1 -timeout 20m $(TEST_FLAGS) ./...
+
+## lint: gofmt, go vet, staticcheck.
+lint:
+	@unformatted=$$(gofmt -l $$(git ls-files '*.go')); \
+	if [ -n "$$unformatted" ]; then echo "gofmt needs to run on:"; echo "$$unformatted"; exit 1; fi
+	$(GO) vet ./...
+	$(GO) run $(STATICCHECK) ./...
+
+## demo: the lab — the three redelivery scenes on real Postgres.
+demo:
+	$(GO) run ./examples/lab
+
+## bench: benchmarks beside their raw-SQL baselines (see docs/performance.md).
+bench:
+	$(GO) test -run '^$$' -bench '$(BENCH)' -benchmem -count $(BENCH_COUNT) ./pgidem/ | tee bench.txt
+	$(GO) run $(BENCHSTAT) bench.txt
+
+tidy:
+	$(GO) mod tidy

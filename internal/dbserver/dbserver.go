@@ -1,0 +1,147 @@
+// Package dbserver finds the Postgres server that tests and example programs use, the same
+// way everywhere: DATABASE_URL, else libpq's PG* variables, else the local default
+// postgres://postgres@127.0.0.1:5432/postgres, else a throwaway container through
+// testcontainers-go when a Docker engine answers. When none answers it returns an error that
+// says how to provide one.
+package dbserver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	neturl "net/url"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/testcontainers/testcontainers-go"
+	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
+)
+
+// LocalDefault is the server tried when neither DATABASE_URL nor a PG* variable is set.
+const LocalDefault = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// ContainerImage is the image started when no server answers and a Docker engine does.
+const ContainerImage = "postgres:15-alpine"
+
+// Server is a reachable Postgres server.
+type Server struct {
+	// URL connects to a database on the server with rights to create databases.
+	URL string
+	// Source says where URL came from: "DATABASE_URL", "PG* variables", "local default" or
+	// "testcontainers".
+	Source string
+
+	container *tcpostgres.PostgresContainer
+}
+
+// Close stops the container when the server was started for this process; otherwise it does
+// nothing.
+func (s *Server) Close(ctx context.Context) error {
+	if s.container == nil {
+		return nil
+	}
+	return testcontainers.TerminateContainer(s.container)
+}
+
+// Find returns the first server that answers, in the order the package doc gives.
+func Find(ctx context.Context) (*Server, error) {
+	var tried []string
+	candidates := []struct{ url, source string }{}
+	if u := os.Getenv("DATABASE_URL"); u != "" {
+		candidates = append(candidates, struct{ url, source string }{u, "DATABASE_URL"})
+	} else if hasPGEnv() {
+		candidates = append(candidates, struct{ url, source string }{"", "PG* variables"})
+	} else {
+		candidates = append(candidates, struct{ url, source string }{LocalDefault, "local default"})
+	}
+	for _, c := range candidates {
+		err := ping(ctx, c.url)
+		if err == nil {
+			return &Server{URL: c.url, Source: c.source}, nil
+		}
+		tried = append(tried, fmt.Sprintf("%s (%s): %v", c.source, redact(c.url), err))
+	}
+
+	if dockerAvailable() {
+		startCtx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		defer cancel()
+		container, err := tcpostgres.Run(startCtx, ContainerImage,
+			tcpostgres.WithDatabase("postgres"),
+			tcpostgres.WithUsername("postgres"),
+			tcpostgres.WithPassword("postgres"),
+			tcpostgres.BasicWaitStrategies(),
+		)
+		if err == nil {
+			url, err := container.ConnectionString(startCtx, "sslmode=disable")
+			if err == nil {
+				return &Server{URL: url, Source: "testcontainers", container: container}, nil
+			}
+			_ = testcontainers.TerminateContainer(container)
+		}
+		tried = append(tried, fmt.Sprintf("testcontainers (%s): %v", ContainerImage, err))
+	} else {
+		tried = append(tried, "testcontainers: no Docker engine (no DOCKER_HOST, no /var/run/docker.sock)")
+	}
+
+	return nil, errors.New("pgidem: no Postgres server answered; tried:\n  " + strings.Join(tried, "\n  ") +
+		"\nprovide one with DATABASE_URL=postgres://user@host:5432/db (a role that may CREATE DATABASE), " +
+		"or libpq PGHOST/PGPORT/PGUSER variables, or start the local cluster " +
+		"(pg_ctlcluster 15 main start), or run a Docker engine for testcontainers")
+}
+
+func hasPGEnv() bool {
+	for _, name := range []string{"PGHOST", "PGPORT", "PGUSER", "PGDATABASE", "PGPASSWORD", "PGSERVICE"} {
+		if os.Getenv(name) != "" {
+			return true
+		}
+	}
+	return false
+}
+
+func ping(ctx context.Context, url string) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	return conn.Ping(ctx)
+}
+
+func dockerAvailable() bool {
+	if os.Getenv("DOCKER_HOST") != "" {
+		return true
+	}
+	_, err := os.Stat("/var/run/docker.sock")
+	return err == nil
+}
+
+// redact hides a password in a URL for error messages.
+func redact(url string) string {
+	if url == "" {
+		return "libpq environment"
+	}
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return "unparsable connection string"
+	}
+	return fmt.Sprintf("%s@%s:%d/%s", cfg.User, cfg.Host, cfg.Port, cfg.Database)
+}
+
+// ConnStringFor returns serverURL with its database replaced by dbName, keeping every other
+// setting (host, user, TLS mode, password).
+func ConnStringFor(serverURL, dbName string) (string, error) {
+	if strings.HasPrefix(serverURL, "postgres://") || strings.HasPrefix(serverURL, "postgresql://") {
+		u, err := neturl.Parse(serverURL)
+		if err != nil {
+			return "", fmt.Errorf("parse server url: %w", err)
+		}
+		u.Path = "/" + dbName
+		return u.String(), nil
+	}
+	// Keyword/value form (or "" for the PG* variables): a later dbname overrides.
+	return strings.TrimSpace(serverURL + " dbname='" + strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(dbName) + "'"), nil
+}

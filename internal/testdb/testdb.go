@@ -1,0 +1,216 @@
+// Package testdb gives each test its own Postgres database, cloned from a template that is
+// migrated once per test process.
+//
+// The server is found by [dbserver.Find]: DATABASE_URL, libpq PG* variables, the local
+// default, or testcontainers-go. When none answers the test fails (never skips) with a
+// message that says how to provide one.
+//
+// The template's name carries a hash of the migration files, so a changed migration gets a
+// fresh template; creating it is serialised across test processes with an advisory lock.
+package testdb
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io/fs"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/internal/dbserver"
+	"github.com/pgidem/pgidem/migrations"
+)
+
+// templateLockID serialises template creation across test processes ("pgidemtt").
+const templateLockID int64 = 0x70676964656d7474
+
+type state struct {
+	server   *dbserver.Server
+	template string
+	err      error
+}
+
+var (
+	once   sync.Once
+	shared state
+)
+
+// setupTemplate finds the server and makes sure the migrated template database exists.
+func setupTemplate() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	server, err := dbserver.Find(ctx)
+	if err != nil {
+		shared.err = err
+		return
+	}
+	shared.server = server
+	name, err := templateName()
+	if err != nil {
+		shared.err = err
+		return
+	}
+	shared.template = name
+	shared.err = ensureTemplate(ctx, server.URL, name)
+}
+
+func templateName() (string, error) {
+	h := sha256.New()
+	err := fs.WalkDir(migrations.FS(), ".", func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		b, err := fs.ReadFile(migrations.FS(), path)
+		if err != nil {
+			return err
+		}
+		h.Write([]byte(path))
+		h.Write(b)
+		return nil
+	})
+	if err != nil {
+		return "", err
+	}
+	return "pgidem_tmpl_" + hex.EncodeToString(h.Sum(nil))[:16], nil
+}
+
+func ensureTemplate(ctx context.Context, serverURL, name string) error {
+	conn, err := pgx.Connect(ctx, serverURL)
+	if err != nil {
+		return fmt.Errorf("testdb: connect: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", templateLockID); err != nil {
+		return fmt.Errorf("testdb: lock: %w", err)
+	}
+	defer conn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock($1)", templateLockID) //nolint:errcheck
+
+	var ready bool
+	err = conn.QueryRow(ctx,
+		"SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1 AND datistemplate)", name).Scan(&ready)
+	if err != nil {
+		return fmt.Errorf("testdb: look up template: %w", err)
+	}
+	if ready {
+		return nil
+	}
+	// A half-made template from a killed run is not marked datistemplate: start over.
+	if _, err := conn.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+		return fmt.Errorf("testdb: drop stale template: %w", err)
+	}
+	if _, err := conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		return fmt.Errorf("testdb: create template: %w", err)
+	}
+	if err := migrate(ctx, serverURL, name); err != nil {
+		return err
+	}
+	if _, err := conn.Exec(ctx, "ALTER DATABASE "+pgx.Identifier{name}.Sanitize()+" WITH IS_TEMPLATE true"); err != nil {
+		return fmt.Errorf("testdb: mark template: %w", err)
+	}
+	return nil
+}
+
+func migrate(ctx context.Context, serverURL, dbName string) error {
+	url, err := dbserver.ConnStringFor(serverURL, dbName)
+	if err != nil {
+		return err
+	}
+	db, err := migrations.OpenDB(url, "")
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	if _, err := migrations.Up(ctx, db, nil); err != nil {
+		return fmt.Errorf("testdb: migrate template: %w", err)
+	}
+	return nil
+}
+
+// DB is a fresh, migrated database owned by one test.
+type DB struct {
+	// Name is the database's name.
+	Name string
+	// URL connects to it; hand it to child processes or command line tools.
+	URL string
+	// Pool is a pool on it, closed at test cleanup.
+	Pool *pgxpool.Pool
+}
+
+// New creates a fresh database cloned from the migrated template, and drops it when the
+// test ends. It fails the test when no server can be found.
+func New(tb testing.TB) *DB {
+	tb.Helper()
+	return newDB(tb, true)
+}
+
+// NewUnmigrated creates a fresh empty database (no pgidem tables), for migration tests.
+func NewUnmigrated(tb testing.TB) *DB {
+	tb.Helper()
+	return newDB(tb, false)
+}
+
+// newDB creates a database, from the migrated template when migrated is true.
+func newDB(tb testing.TB, migrated bool) *DB {
+	tb.Helper()
+	once.Do(setupTemplate)
+	if shared.err != nil {
+		tb.Fatalf("testdb: %v", shared.err)
+	}
+	ctx := context.Background()
+	var suffix [6]byte
+	_, _ = rand.Read(suffix[:])
+	name := "pgidem_test_" + hex.EncodeToString(suffix[:])
+
+	admin, err := pgx.Connect(ctx, shared.server.URL)
+	if err != nil {
+		tb.Fatalf("testdb: connect to server: %v", err)
+	}
+	defer admin.Close(ctx)
+	create := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
+	if migrated {
+		create += " TEMPLATE " + pgx.Identifier{shared.template}.Sanitize()
+	}
+	if _, err := admin.Exec(ctx, create); err != nil {
+		tb.Fatalf("testdb: %s: %v", create, err)
+	}
+	url, err := dbserver.ConnStringFor(shared.server.URL, name)
+	if err != nil {
+		tb.Fatalf("testdb: %v", err)
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		tb.Fatalf("testdb: pool: %v", err)
+	}
+	tb.Cleanup(func() {
+		pool.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		admin, err := pgx.Connect(ctx, shared.server.URL)
+		if err != nil {
+			tb.Errorf("testdb: cleanup connect: %v", err)
+			return
+		}
+		defer admin.Close(ctx)
+		if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+			tb.Errorf("testdb: drop %s: %v", name, err)
+		}
+	})
+	return &DB{Name: name, URL: url, Pool: pool}
+}
+
+// ServerURL returns the URL of the server the test databases live on, failing the test when
+// none can be found.
+func ServerURL(tb testing.TB) string {
+	tb.Helper()
+	once.Do(setupTemplate)
+	if shared.err != nil {
+		tb.Fatalf("testdb: %v", shared.err)
+	}
+	return shared.server.URL
+}

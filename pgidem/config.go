@@ -1,0 +1,203 @@
+package pgidem
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Defaults and limits for [Config]. A zero Config field takes the Default.
+const (
+	// LeaseDefault is the default [Config.Lease].
+	LeaseDefault = 30 * time.Second
+	// LeaseMin is the shortest lease accepted.
+	LeaseMin = 100 * time.Millisecond
+
+	// MinTTLDefault is the default [Config.MinTTL].
+	MinTTLDefault = time.Minute
+
+	// WaitTimeoutDefault is the default [Config.WaitTimeout].
+	WaitTimeoutDefault = time.Minute
+
+	// FinishTimeoutDefault is the default [Config.FinishTimeout].
+	FinishTimeoutDefault = 10 * time.Second
+
+	// MaxKeyBytesDefault is the default [Config.MaxKeyBytes].
+	MaxKeyBytesDefault = 255
+	// MaxNamespaceBytesDefault is the default [Config.MaxNamespaceBytes].
+	MaxNamespaceBytesDefault = 64
+	// MaxKeyBytesMax bounds [Config.MaxKeyBytes] + [Config.MaxNamespaceBytes] so a primary
+	// key entry always fits in a Postgres btree page (about 2700 bytes).
+	MaxKeyBytesMax = 2048
+
+	// PollIntervalMinDefault and PollIntervalMaxDefault bound the backoff between reads
+	// while waiting for an in-progress record ([InFlightWait]).
+	PollIntervalMinDefault = 10 * time.Millisecond
+	PollIntervalMaxDefault = time.Second
+)
+
+// InFlightPolicy says what a call does when the key's record is in progress under another
+// holder with a live lease.
+type InFlightPolicy int
+
+const (
+	// InFlightDefault (the zero value) means: use the coordinator's policy
+	// ([Config.InFlight]), which itself defaults to [InFlightWait].
+	InFlightDefault InFlightPolicy = iota
+	// InFlightWait polls the record (backoff with jitter) until it completes (replay), is
+	// released (reserve again) or its lease expires (takeover), bounded by the context and
+	// the wait timeout, after which the call returns an [*InProgressError].
+	InFlightWait
+	// InFlightRaise returns an [*InProgressError] at once, with a retry-after hint taken
+	// from the holder's lease.
+	InFlightRaise
+)
+
+func (p InFlightPolicy) String() string {
+	switch p {
+	case InFlightWait:
+		return "wait"
+	case InFlightRaise:
+		return "raise"
+	default:
+		return "default"
+	}
+}
+
+// Config configures a [Coordinator]. The zero value is valid: every zero field takes its
+// documented default. NewCoordinator copies it; changing it afterwards has no effect.
+type Config struct {
+	// Schema is the schema holding pgidem's tables. Default "": unqualified names resolved
+	// through the connection's search_path. Quoted with pgx.Identifier, never spliced.
+	Schema string
+
+	// Lease is how long a reservation stays owned without a heartbeat. The holder renews it
+	// every Lease/3 while fn runs, so a slow but live holder is never taken over; a holder
+	// that dies blocks other callers for at most one Lease. Default [LeaseDefault] (30 s),
+	// minimum [LeaseMin]. Must be shorter than every call's TTL.
+	Lease time.Duration
+
+	// MinTTL is the shortest record TTL a call may ask for; shorter TTLs return
+	// [ErrInvalidTTL] (never a silent clamp). Default [MinTTLDefault] (1 minute).
+	MinTTL time.Duration
+
+	// InFlight is the policy for an in-progress key. Default [InFlightWait].
+	InFlight InFlightPolicy
+
+	// WaitTimeout bounds how long [InFlightWait] waits before returning [ErrInProgress];
+	// the caller's context bounds it too. Default [WaitTimeoutDefault] (1 minute).
+	WaitTimeout time.Duration
+
+	// PollIntervalMin and PollIntervalMax bound the jittered exponential backoff between
+	// reads while waiting. Defaults [PollIntervalMinDefault] (10 ms) and
+	// [PollIntervalMaxDefault] (1 s).
+	PollIntervalMin time.Duration
+	PollIntervalMax time.Duration
+
+	// FinishTimeout bounds the finishing write (complete, store failure, release), which
+	// runs on a context detached from the caller's so that a cancelled caller never leaves
+	// the record stuck in progress. Default [FinishTimeoutDefault] (10 s).
+	FinishTimeout time.Duration
+
+	// MaxKeyBytes and MaxNamespaceBytes limit the key and namespace length in bytes.
+	// Defaults [MaxKeyBytesDefault] (255) and [MaxNamespaceBytesDefault] (64); their sum
+	// may not exceed [MaxKeyBytesMax].
+	MaxKeyBytes       int
+	MaxNamespaceBytes int
+
+	// FailOpen, when true, runs fn unprotected when the store cannot be reached before fn
+	// would run, instead of returning [ErrStoreUnavailable]. Each such run is logged at
+	// warn and reported as [EventFailOpen]. Default false: never run unprotected.
+	FailOpen bool
+
+	// Logger receives a record of every unusual transition (takeover, lease lost,
+	// fail-open, store error, fingerprint mismatch). Default: discard.
+	Logger *slog.Logger
+
+	// Hook receives an [Event] for every outcome, for metrics. Default: none.
+	Hook Hook
+}
+
+// withDefaults returns a copy of c with zero fields set to their defaults.
+func (c *Config) withDefaults() Config {
+	var cfg Config
+	if c != nil {
+		cfg = *c
+	}
+	cfg.Lease = cmp.Or(cfg.Lease, LeaseDefault)
+	cfg.MinTTL = cmp.Or(cfg.MinTTL, MinTTLDefault)
+	cfg.InFlight = cmp.Or(cfg.InFlight, InFlightWait)
+	cfg.WaitTimeout = cmp.Or(cfg.WaitTimeout, WaitTimeoutDefault)
+	cfg.PollIntervalMin = cmp.Or(cfg.PollIntervalMin, PollIntervalMinDefault)
+	cfg.PollIntervalMax = cmp.Or(cfg.PollIntervalMax, PollIntervalMaxDefault)
+	cfg.FinishTimeout = cmp.Or(cfg.FinishTimeout, FinishTimeoutDefault)
+	cfg.MaxKeyBytes = cmp.Or(cfg.MaxKeyBytes, MaxKeyBytesDefault)
+	cfg.MaxNamespaceBytes = cmp.Or(cfg.MaxNamespaceBytes, MaxNamespaceBytesDefault)
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	return cfg
+}
+
+func (c *Config) validate() error {
+	switch {
+	case c.Lease < LeaseMin:
+		return fmt.Errorf("pgidem: Config.Lease %s is below the minimum %s", c.Lease, LeaseMin)
+	case c.MinTTL <= c.Lease:
+		return fmt.Errorf("pgidem: Config.MinTTL %s must be longer than Config.Lease %s", c.MinTTL, c.Lease)
+	case c.InFlight != InFlightWait && c.InFlight != InFlightRaise:
+		return fmt.Errorf("pgidem: Config.InFlight %d is not a known policy", c.InFlight)
+	case c.WaitTimeout < 0:
+		return fmt.Errorf("pgidem: Config.WaitTimeout %s must not be negative", c.WaitTimeout)
+	case c.PollIntervalMin < 0 || c.PollIntervalMax < c.PollIntervalMin:
+		return fmt.Errorf("pgidem: Config.PollIntervalMin %s and Config.PollIntervalMax %s must satisfy 0 <= min <= max", c.PollIntervalMin, c.PollIntervalMax)
+	case c.FinishTimeout < 0:
+		return fmt.Errorf("pgidem: Config.FinishTimeout %s must not be negative", c.FinishTimeout)
+	case c.MaxKeyBytes < 1 || c.MaxNamespaceBytes < 1 || c.MaxKeyBytes+c.MaxNamespaceBytes > MaxKeyBytesMax:
+		return fmt.Errorf("pgidem: Config.MaxKeyBytes %d and Config.MaxNamespaceBytes %d must be positive with a sum of at most %d", c.MaxKeyBytes, c.MaxNamespaceBytes, MaxKeyBytesMax)
+	}
+	return nil
+}
+
+// Coordinator reserves idempotency keys in Postgres and runs effects under them. Create it
+// with [NewCoordinator]. It holds no connection of its own between calls and is safe for
+// concurrent use by any number of goroutines.
+type Coordinator struct {
+	pool   *pgxpool.Pool
+	config Config
+	sql    statements
+}
+
+// NewCoordinator returns a coordinator that stores records through pool, which must reach a
+// database where pgidem's migrations have run (package migrations). config may be nil for
+// all defaults; it is copied. It returns an error naming the Config field when a setting is
+// invalid. It does not touch the database.
+func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
+	if pool == nil {
+		return nil, errors.New("pgidem: NewCoordinator: pool is nil")
+	}
+	cfg := config.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	return &Coordinator{pool: pool, config: cfg, sql: newStatements(cfg.Schema)}, nil
+}
+
+// Config returns a copy of the coordinator's configuration with defaults filled in.
+func (c *Coordinator) Config() Config { return c.config }
+
+// Pool returns the pool the coordinator stores records through.
+func (c *Coordinator) Pool() *pgxpool.Pool { return c.pool }
+
+// qualify returns the quoted, optionally schema-qualified name of a pgidem table.
+func qualify(schema, table string) string {
+	if schema == "" {
+		return pgx.Identifier{table}.Sanitize()
+	}
+	return pgx.Identifier{schema, table}.Sanitize()
+}

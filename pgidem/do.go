@@ -1,0 +1,432 @@
+package pgidem
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// DoOpts are optional per-call settings for [Do] and [DoResult]. A nil *DoOpts means the
+// coordinator's defaults.
+type DoOpts struct {
+	// Fingerprint identifies the payload the key was first used for (callers hash the
+	// request body or the fields that matter). It is stored on reserve and compared on every
+	// later path — replay, in progress, takeover — when both the stored and the given
+	// fingerprint are non-nil; a difference returns [ErrFingerprintMismatch] and fn is not
+	// run. Default nil: no check.
+	Fingerprint []byte
+
+	// InFlight overrides [Config.InFlight] for this call. Default [InFlightDefault].
+	InFlight InFlightPolicy
+
+	// WaitTimeout overrides [Config.WaitTimeout] for this call. Default 0: the config's.
+	WaitTimeout time.Duration
+
+	// Lease overrides [Config.Lease] for this call; at least [LeaseMin] and shorter than
+	// the TTL. Default 0: the config's.
+	Lease time.Duration
+}
+
+// Result is what [DoResult] returns: fn's value and how it was obtained.
+type Result[T any] struct {
+	// Value is fn's value: returned by fn on this call, or decoded from the record on a
+	// replay.
+	Value T
+	// Replayed is true when Value (or the error) came from the record and fn did not run.
+	Replayed bool
+	// Attempts is the record's attempt count after this call: 1 normally, more when a
+	// takeover happened (this call's or an earlier one's) and the effect may have run more
+	// than once. 0 when fn ran unprotected ([Config.FailOpen]).
+	Attempts int
+	// Waited is true when the call waited for another holder before its outcome.
+	Waited bool
+	// TookOver is true when this call took over an expired lease from a holder that
+	// stopped renewing it.
+	TookOver bool
+	// FailedOpen is true when fn ran unprotected because the store was unreachable.
+	FailedOpen bool
+}
+
+// Do runs fn at most once per (namespace, key) within ttl and returns its value; later
+// calls with the same key replay the stored value without running fn. It is [DoResult]
+// without the detail; see there for the protocol, errors and cancellation.
+func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context) (T, error)) (T, error) {
+	res, err := DoResult(ctx, c, namespace, key, ttl, opts, fn)
+	return res.Value, err
+}
+
+// DoResult runs fn under an idempotency key reserved in Postgres and reports how its value
+// was obtained.
+//
+// The key names the effect ("order-9.invoice"), not the delivery: a job or message id only
+// dedupes redeliveries of that one job, not two jobs for the same effect. namespace and key
+// are separate columns, so no character is reserved; they must be non-empty valid UTF-8
+// without control characters, within [Config.MaxNamespaceBytes] and [Config.MaxKeyBytes],
+// or the call returns an [*InvalidKeyError] and fn is never run. ttl is how long the
+// record counts, measured from completion: at least [Config.MinTTL] and longer than the
+// lease, or [*InvalidTTLError]. Make it outlive the queue's retry and retention horizon.
+//
+// The first caller reserves the key and runs fn with a context that carries the key
+// ([KeyFromContext]) and is cancelled with cause [ErrLeaseLost] if the reservation is
+// taken over; a heartbeat renews the lease every lease/3 while fn runs, so a slow live
+// holder is never taken over. No connection is held while fn runs. Then:
+//   - fn succeeds: the value is stored as JSON (jsonb) and returned; later calls replay it,
+//     decoded into T. Zero values, nil pointers, empty slices and null are stored as such.
+//   - fn returns an error: the record is released so the next delivery runs fn again, and
+//     the error is returned unchanged — unless it is [Permanent], which is stored and
+//     replayed as a [*StoredFailureError].
+//   - fn panics: the record is released and the panic continues.
+//
+// The finishing write runs on a context detached from ctx, bounded by
+// [Config.FinishTimeout] and retried briefly, so a cancelled caller does not leave the
+// record stuck in progress. If it finds the reservation taken over, the value is returned
+// with an error matching [ErrLeaseLost] (the effect may have run twice; the record's
+// attempts say so).
+//
+// A caller that finds the key in progress under a live lease follows the in-flight policy
+// ([InFlightWait] by default, [InFlightRaise]); a waiter gives up with an
+// [*InProgressError] after the wait timeout, or with ctx.Err() when ctx ends, and never
+// writes. A record whose lease expired (its holder died) is taken over and fn runs again
+// with Attempts incremented; an expired record behaves exactly like no record.
+//
+// Database errors before fn runs return a [*StoreError] (matching [ErrStoreUnavailable])
+// and fn is not run, unless [Config.FailOpen] is set. Cancelling ctx before fn runs
+// returns ctx.Err() and changes nothing. Safe for concurrent use.
+func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context) (T, error)) (Result[T], error) {
+	var res Result[T]
+	call, err := c.newCall(namespace, key, ttl, opts)
+	if err != nil {
+		c.emit(ctx, EventInvalidKey, namespace, 1)
+		return res, err
+	}
+	acq, err := c.acquire(ctx, call)
+	res.Waited, res.TookOver = acq.waited, acq.tookOver
+	if err != nil {
+		if c.config.FailOpen && errors.Is(err, ErrStoreUnavailable) {
+			c.config.Logger.WarnContext(ctx, "pgidem: store unavailable, running effect unprotected (FailOpen)",
+				slog.String("namespace", namespace), slog.String("key", key), slog.String("error", err.Error()))
+			c.emit(ctx, EventFailOpen, namespace, 1)
+			res.FailedOpen = true
+			res.Value, err = fn(withKey(ctx, namespace, key))
+			return res, err
+		}
+		return res, err
+	}
+	res.Attempts = acq.row.attempts
+
+	if !acq.held {
+		res.Replayed = true
+		c.emit(ctx, EventReplayed, namespace, 1)
+		err := decodeReplay(call, acq.row, &res.Value)
+		return res, err
+	}
+
+	c.emit(ctx, EventExecuted, namespace, 1)
+	var value T
+	fnErr := c.run(ctx, call, acq.row.owner, func(ctx context.Context) error {
+		var err error
+		value, err = fn(ctx)
+		return err
+	}, func() ([]byte, error) { return json.Marshal(value) })
+	res.Value = value
+	return res, fnErr
+}
+
+// call is one validated request.
+type call struct {
+	namespace, key string
+	ttl, lease     time.Duration
+	waitTimeout    time.Duration
+	policy         InFlightPolicy
+	fingerprint    []byte
+}
+
+func (c *Coordinator) newCall(namespace, key string, ttl time.Duration, opts *DoOpts) (*call, error) {
+	if opts == nil {
+		opts = &DoOpts{}
+	}
+	if err := c.validateKey(namespace, key); err != nil {
+		return nil, err
+	}
+	cl := &call{
+		namespace:   namespace,
+		key:         key,
+		ttl:         ttl,
+		lease:       orDefault(opts.Lease, c.config.Lease),
+		waitTimeout: orDefault(opts.WaitTimeout, c.config.WaitTimeout),
+		policy:      orDefault(opts.InFlight, c.config.InFlight),
+		fingerprint: opts.Fingerprint,
+	}
+	if cl.lease < LeaseMin {
+		return nil, fmt.Errorf("%w: DoOpts.Lease %s is below the minimum %s", ErrInvalidTTL, cl.lease, LeaseMin)
+	}
+	if ttl < c.config.MinTTL || cl.lease >= ttl {
+		return nil, &InvalidTTLError{TTL: ttl, MinTTL: c.config.MinTTL, Lease: cl.lease}
+	}
+	if cl.policy != InFlightWait && cl.policy != InFlightRaise {
+		return nil, fmt.Errorf("pgidem: DoOpts.InFlight %d is not a known policy", cl.policy)
+	}
+	return cl, nil
+}
+
+func orDefault[T comparable](v, def T) T {
+	var zero T
+	if v == zero {
+		return def
+	}
+	return v
+}
+
+// acquisition is the outcome of acquire: either this caller holds the reservation (held),
+// or row is a completed or failed record to replay.
+type acquisition struct {
+	held     bool
+	row      row
+	waited   bool
+	tookOver bool
+}
+
+// maxSnapshotRetries bounds the reserve statement's "row committed after my snapshot"
+// retries, which resolve on the next statement in practice.
+const maxSnapshotRetries = 10
+
+// acquire reserves the key, takes over an available record, or waits/raises for an
+// in-progress one, following the protocol in DESIGN.md. It writes only when it inserts or
+// takes over; reading an existing record never writes.
+func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error) {
+	var acq acquisition
+	var waitStart time.Time
+	backoff := c.config.PollIntervalMin
+	snapshotRetries := 0
+	for {
+		if err := ctx.Err(); err != nil {
+			return acq, err
+		}
+		owner := newOwner()
+		var r row
+		err := c.pool.QueryRow(ctx, c.sql.reserve, cl.namespace, cl.key, owner, cl.fingerprint,
+			micros(cl.lease), micros(cl.ttl)).Scan(r.scanTargets(true)...)
+		if errors.Is(err, pgx.ErrNoRows) && snapshotRetries < maxSnapshotRetries {
+			snapshotRetries++
+			continue
+		}
+		if err != nil {
+			return acq, c.logStoreError(ctx, cl, storeError("reserve", err))
+		}
+		if r.inserted {
+			acq.held, acq.row = true, r
+			return acq, nil
+		}
+
+		if mismatch(cl.fingerprint, &r) {
+			c.config.Logger.WarnContext(ctx, "pgidem: fingerprint mismatch",
+				slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("status", string(r.status)))
+			c.emit(ctx, EventFingerprintMismatch, cl.namespace, 1)
+			return acq, &FingerprintMismatchError{Namespace: cl.namespace, Key: cl.key, Status: r.status}
+		}
+
+		if r.available() {
+			var t row
+			err := c.pool.QueryRow(ctx, c.sql.takeover, cl.namespace, cl.key, owner, cl.fingerprint,
+				micros(cl.lease), micros(cl.ttl)).Scan(t.scanTargets(true)...)
+			if errors.Is(err, pgx.ErrNoRows) {
+				continue // another caller took it over first (or it was deleted): read again
+			}
+			if err != nil {
+				return acq, c.logStoreError(ctx, cl, storeError("takeover", err))
+			}
+			acq.held, acq.row = true, t
+			if !r.expired {
+				acq.tookOver = true
+				c.config.Logger.WarnContext(ctx, "pgidem: took over expired lease; the effect may run more than once",
+					slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", t.attempts))
+				c.emit(ctx, EventTakenOver, cl.namespace, 1)
+			}
+			return acq, nil
+		}
+
+		if r.status != StatusInProgress {
+			acq.row = r
+			return acq, nil
+		}
+
+		// In progress under a live lease.
+		retryAfter := max(r.leaseExpires.Time.Sub(r.dbNow), time.Millisecond)
+		inProgress := &InProgressError{Namespace: cl.namespace, Key: cl.key, RetryAfter: retryAfter,
+			Attempts: r.attempts, LeaseExpiresAt: r.leaseExpires.Time, Waited: acq.waited}
+		if cl.policy == InFlightRaise {
+			c.emit(ctx, EventInProgress, cl.namespace, 1)
+			return acq, inProgress
+		}
+		if !acq.waited {
+			acq.waited = true
+			waitStart = time.Now()
+			c.emit(ctx, EventWaited, cl.namespace, 1)
+		}
+		remaining := cl.waitTimeout - time.Since(waitStart)
+		if remaining <= 0 {
+			c.emit(ctx, EventInProgress, cl.namespace, 1)
+			return acq, inProgress
+		}
+		// Sleep for the jittered backoff, but wake when the lease would expire (a takeover
+		// may then be due) and when the wait budget ends.
+		sleep := min(jitter(backoff), retryAfter+time.Millisecond, remaining)
+		backoff = min(backoff*2, c.config.PollIntervalMax)
+		timer := time.NewTimer(sleep)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return acq, ctx.Err()
+		case <-timer.C:
+		}
+		snapshotRetries = 0
+	}
+}
+
+// jitter spreads d over [0.5d, 1.5d) so waiters do not poll in lockstep.
+func jitter(d time.Duration) time.Duration {
+	if d <= 0 {
+		return 0
+	}
+	return d/2 + time.Duration(rand.Int64N(int64(d)))
+}
+
+// mismatch reports whether a stored fingerprint contradicts the caller's. An expired record
+// counts as absent, so its fingerprint does not bind.
+func mismatch(fingerprint []byte, r *row) bool {
+	return fingerprint != nil && r.fingerprint != nil && !r.expired && !bytes.Equal(fingerprint, r.fingerprint)
+}
+
+func (c *Coordinator) logStoreError(ctx context.Context, cl *call, err error) error {
+	if errors.Is(err, ErrStoreUnavailable) {
+		c.config.Logger.ErrorContext(ctx, "pgidem: store error",
+			slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("error", err.Error()))
+		c.emit(ctx, EventStoreError, cl.namespace, 1)
+	}
+	return err
+}
+
+// decodeReplay turns a completed or failed record into the caller's value or error.
+func decodeReplay[T any](cl *call, r row, value *T) error {
+	if r.status == StatusFailed {
+		var f storedFailure
+		if err := json.Unmarshal(r.failure, &f); err != nil {
+			f.Message = string(r.failure)
+		}
+		return &StoredFailureError{Namespace: cl.namespace, Key: cl.key, Message: f.Message,
+			NotStorable: f.NotStorable, CompletedAt: r.completedAt.Time}
+	}
+	if err := json.Unmarshal(r.result, value); err != nil {
+		return fmt.Errorf("pgidem: replay %s/%s: decode stored result into %T: %w", cl.namespace, cl.key, *value, err)
+	}
+	return nil
+}
+
+// run executes fn under the held reservation with a heartbeat, then finishes the record.
+// encode is called after fn succeeded to produce the JSON result.
+func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn func(context.Context) error, encode func() ([]byte, error)) error {
+	fnCtx, cancel := context.WithCancelCause(withKey(ctx, cl.namespace, cl.key))
+	defer cancel(nil)
+	hb := c.startHeartbeat(ctx, cl, owner, cancel)
+
+	finished := false
+	defer func() {
+		if !finished { // fn panicked: release, then let the panic continue
+			hb.stop()
+			c.finish(ctx, cl, owner, "release", c.sql.release)
+		}
+	}()
+	fnErr := fn(fnCtx)
+	finished = true
+	lost := hb.stop()
+
+	if fnErr != nil {
+		var permanent *PermanentError
+		if errors.As(fnErr, &permanent) {
+			failure, _ := json.Marshal(storedFailure{Message: permanent.Error()})
+			if !lost {
+				lost = c.finish(ctx, cl, owner, "complete", c.sql.complete, StatusFailed, nil, failure, micros(cl.ttl)) == errFinishNoRow
+			}
+		} else if !lost {
+			lost = c.finish(ctx, cl, owner, "release", c.sql.release) == errFinishNoRow
+		}
+		if lost {
+			c.leaseLost(ctx, cl)
+		}
+		return fnErr
+	}
+
+	result, encErr := encode()
+	if encErr == nil && bytes.Contains(result, []byte(`\u0000`)) {
+		encErr = errors.New("a string contains a NUL character, which jsonb cannot store")
+	}
+	status, failure := StatusCompleted, []byte(nil)
+	if encErr != nil {
+		// The effect happened; never release (that would run it again). Store the failure.
+		c.config.Logger.ErrorContext(ctx, "pgidem: result not storable; record completed without it",
+			slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("error", encErr.Error()))
+		status, result = StatusFailed, nil
+		failure, _ = json.Marshal(storedFailure{Message: "pgidem: result not storable: " + encErr.Error(), NotStorable: true})
+	}
+	var finishErr error
+	if !lost {
+		finishErr = c.finish(ctx, cl, owner, "complete", c.sql.complete, status, result, failure, micros(cl.ttl))
+		lost = finishErr == errFinishNoRow
+	}
+	switch {
+	case lost:
+		c.leaseLost(ctx, cl)
+		return fmt.Errorf("%w: %s/%s was taken over before the result was stored; the effect may have run more than once", ErrLeaseLost, cl.namespace, cl.key)
+	case finishErr != nil:
+		return finishErr
+	case encErr != nil:
+		return fmt.Errorf("%w: %v", ErrResultNotStorable, encErr)
+	}
+	return nil
+}
+
+func (c *Coordinator) leaseLost(ctx context.Context, cl *call) {
+	c.config.Logger.ErrorContext(ctx, "pgidem: lease lost; the reservation was taken over and the effect may have run more than once",
+		slog.String("namespace", cl.namespace), slog.String("key", cl.key))
+	c.emit(ctx, EventLeaseLost, cl.namespace, 1)
+}
+
+// errFinishNoRow means the owner-conditional write matched no row: the lease was lost.
+var errFinishNoRow = errors.New("pgidem: reservation no longer owned")
+
+// finish runs an owner-conditional write on a context detached from the caller's, retrying
+// store errors briefly. It returns errFinishNoRow when the row is no longer ours and a
+// *StoreError when the store kept failing (the lease expiry then lets a later delivery
+// decide).
+func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, op, sql string, extra ...any) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
+	defer cancel()
+	args := append([]any{cl.namespace, cl.key, owner}, extra...)
+	// Pauses between attempts of a failing write: about a second in all.
+	finishRetries := [...]time.Duration{50 * time.Millisecond, 200 * time.Millisecond, 500 * time.Millisecond}
+	var err error
+	for attempt := 0; ; attempt++ {
+		var tag pgconn.CommandTag
+		tag, err = c.pool.Exec(ctx, sql, args...)
+		if err == nil {
+			if tag.RowsAffected() == 0 {
+				return errFinishNoRow
+			}
+			return nil
+		}
+		if attempt >= len(finishRetries) || ctx.Err() != nil {
+			break
+		}
+		time.Sleep(finishRetries[attempt])
+	}
+	return c.logStoreError(ctx, cl, &StoreError{Op: op, Err: err})
+}

@@ -1,0 +1,69 @@
+// Package pgidem makes side effects happen once in systems that deliver work at least once,
+// by reserving an idempotency key in Postgres — the same database as the application's rows
+// and its job queue.
+//
+// Queues and brokers redeliver by design: a worker dies after sending the invoice and
+// before acking, River's stuck-job rescuer re-runs a job a slow worker is still running, a
+// Kafka rebalance replays an uncommitted batch, a producer enqueues the same request
+// twice. Each redelivery repeats the effect unless a key dedupes it.
+//
+// # Quick start
+//
+// Run the migrations (package migrations), then create one [Coordinator] per pool and run
+// each effect under a key that names the effect:
+//
+//	coord, err := pgidem.NewCoordinator(pool, nil)
+//	if err != nil { ... }
+//	receipt, err := pgidem.Do(ctx, coord, "mail", "order-9.invoice", 24*time.Hour, nil,
+//		func(ctx context.Context) (string, error) {
+//			_, key, _ := pgidem.KeyFromContext(ctx) // pass downstream as the provider's own key
+//			return mailer.Send(ctx, invoice, key)
+//		})
+//
+// The first call runs fn and stores its value; every later call within the TTL replays the
+// value without running fn. Use [DoResult] to learn whether the value was replayed and how
+// many attempts the record has seen.
+//
+// # Keys
+//
+// The key names the effect ("order-9.invoice"), not the delivery. A job or message id as
+// key only dedupes redeliveries of that one job; two jobs enqueued for the same order would
+// both run. Namespace and key are separate columns and no character is reserved, but an
+// empty key, invalid UTF-8, control characters (NUL included) or an over-long key are
+// rejected with [ErrInvalidKey] — and fn is not run: an unstorable key never means an
+// unprotected effect.
+//
+// # Concurrency: in progress, lease, heartbeat, takeover
+//
+// While fn runs, its record is in progress under a lease ([Config.Lease], 30 s by
+// default) that a heartbeat renews every lease/3, so a slow but live holder is never taken
+// over. Another caller for the same key waits ([InFlightWait], the default) until the
+// record completes and then replays it, or gets [ErrInProgress] at once ([InFlightRaise])
+// with a retry-after hint. A holder that dies stops renewing; after at most one lease the
+// next caller takes over and the record's attempts count rises to 2 — the sign that the
+// effect may have run twice. Every write of a holder is conditional on its random owner
+// token, so a holder that was taken over cannot overwrite its successor; it learns of the
+// loss through fn's context (cause [ErrLeaseLost]) and the returned error.
+//
+// All time arithmetic for leases and TTLs uses the database clock (now()), never the
+// client's.
+//
+// # Failures
+//
+// An error from fn releases the record so the next delivery runs fn again; wrap it with
+// [Permanent] to store it and replay it instead. A panic releases and re-panics. When the
+// store is unreachable before fn, the call returns [ErrStoreUnavailable] and fn does not run
+// (opt into [Config.FailOpen] to run it unprotected). Replays return exactly what fn
+// returned: zero values, nil pointers, empty slices and null are results.
+//
+// # Observability
+//
+// [Config.Logger] (a *slog.Logger, quiet by default) records every unusual transition;
+// [Config.Hook] receives an [Event] for every outcome, for metrics.
+//
+// # Housekeeping
+//
+// Expired records behave as absent whether or not they were deleted. [Coordinator.Sweep]
+// deletes them in batches; run it from cron, the pgidem CLI or the River periodic job in
+// package pgidemriver.
+package pgidem

@@ -1,0 +1,199 @@
+package pgidem
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Sentinel errors. Test for them with [errors.Is]; the typed errors below carry detail and
+// match their sentinel.
+var (
+	// ErrInvalidKey means the namespace or idempotency key cannot be stored: empty, not
+	// valid UTF-8, containing NUL or another control character, or longer than the
+	// configured limit in bytes. fn is never run for an invalid key. See [*InvalidKeyError].
+	ErrInvalidKey = errors.New("pgidem: invalid idempotency key")
+
+	// ErrInvalidTTL means the record TTL is below [Config.MinTTL], or the lease is not
+	// shorter than the TTL. fn is not run. See [*InvalidTTLError].
+	ErrInvalidTTL = errors.New("pgidem: invalid ttl")
+
+	// ErrInProgress means another holder's reservation of the key is in progress with a
+	// live lease: returned at once under [InFlightRaise], or when [InFlightWait] gave up
+	// after its wait timeout. See [*InProgressError] for the retry-after hint.
+	ErrInProgress = errors.New("pgidem: idempotency key in progress")
+
+	// ErrFingerprintMismatch means the key's record was made with a different fingerprint:
+	// the same key was reused for a different payload. fn is not run.
+	// See [*FingerprintMismatchError].
+	ErrFingerprintMismatch = errors.New("pgidem: fingerprint mismatch")
+
+	// ErrLeaseLost means the caller's reservation was taken over by another caller after
+	// its lease expired (or the record was forgotten by hand), so its writes were refused.
+	// It is the cancellation cause of fn's context when the heartbeat finds the record no
+	// longer owned, and it is returned together with fn's value when the finishing write
+	// finds the record taken: the effect may then have run twice.
+	ErrLeaseLost = errors.New("pgidem: lease lost")
+
+	// ErrStoreUnavailable wraps a database error: the store could not be reached or a
+	// statement failed. Before fn runs it means fn was not run (unless [Config.FailOpen]).
+	// See [*StoreError].
+	ErrStoreUnavailable = errors.New("pgidem: store unavailable")
+
+	// ErrPermanent marks a failure stored in the record and replayed on later calls: both
+	// the error returned by [Permanent] and a replayed stored failure ([*StoredFailureError])
+	// match it.
+	ErrPermanent = errors.New("pgidem: permanent failure")
+
+	// ErrResultNotStorable means fn succeeded but its value could not be encoded as JSON
+	// for the record (a channel, a function, NaN, a string with a NUL character). The
+	// record is completed without a result, so the effect is not repeated; replays return
+	// this error.
+	ErrResultNotStorable = errors.New("pgidem: result not storable")
+
+	// ErrNotFound is returned by [Coordinator.Lookup] when no record exists for the key.
+	ErrNotFound = errors.New("pgidem: record not found")
+)
+
+// InvalidKeyError describes why a namespace or key was rejected. It matches [ErrInvalidKey].
+type InvalidKeyError struct {
+	// Field is "namespace" or "key".
+	Field string
+	// Reason says what is wrong, e.g. "contains control character U+0000 at byte 5".
+	Reason string
+}
+
+func (e *InvalidKeyError) Error() string {
+	return fmt.Sprintf("pgidem: invalid idempotency key: %s %s", e.Field, e.Reason)
+}
+
+// Is reports whether target is [ErrInvalidKey].
+func (e *InvalidKeyError) Is(target error) bool { return target == ErrInvalidKey }
+
+// InvalidTTLError describes a rejected TTL. It matches [ErrInvalidTTL].
+type InvalidTTLError struct {
+	// TTL is the record TTL the caller asked for.
+	TTL time.Duration
+	// MinTTL is the configured minimum ([Config.MinTTL]).
+	MinTTL time.Duration
+	// Lease is the lease that applied to the call; it must be shorter than TTL.
+	Lease time.Duration
+}
+
+func (e *InvalidTTLError) Error() string {
+	if e.TTL < e.MinTTL {
+		return fmt.Sprintf("pgidem: invalid ttl: %s is below the minimum %s (Config.MinTTL)", e.TTL, e.MinTTL)
+	}
+	return fmt.Sprintf("pgidem: invalid ttl: %s must be longer than the lease %s", e.TTL, e.Lease)
+}
+
+// Is reports whether target is [ErrInvalidTTL].
+func (e *InvalidTTLError) Is(target error) bool { return target == ErrInvalidTTL }
+
+// InProgressError reports a reservation held by another caller. It matches [ErrInProgress].
+type InProgressError struct {
+	// Namespace and Key identify the record.
+	Namespace, Key string
+	// RetryAfter is how long until the holder's lease expires, by the database clock, at
+	// the moment the record was read: the earliest time a retry could take over if the
+	// holder died. At least one millisecond. A live holder renews its lease, so the retry
+	// may find it still in progress.
+	RetryAfter time.Duration
+	// Attempts is the record's attempt count (1 unless a takeover happened).
+	Attempts int
+	// LeaseExpiresAt is the holder's lease expiry when the record was read.
+	LeaseExpiresAt time.Time
+	// Waited is true when the caller waited ([InFlightWait]) before giving up.
+	Waited bool
+}
+
+func (e *InProgressError) Error() string {
+	return fmt.Sprintf("pgidem: idempotency key in progress: %s/%s (retry after %s)", e.Namespace, e.Key, e.RetryAfter)
+}
+
+// Is reports whether target is [ErrInProgress].
+func (e *InProgressError) Is(target error) bool { return target == ErrInProgress }
+
+// FingerprintMismatchError reports a key reused with a different fingerprint. It matches
+// [ErrFingerprintMismatch].
+type FingerprintMismatchError struct {
+	// Namespace and Key identify the record.
+	Namespace, Key string
+	// Status is the stored record's status.
+	Status Status
+}
+
+func (e *FingerprintMismatchError) Error() string {
+	return fmt.Sprintf("pgidem: fingerprint mismatch: %s/%s was reserved for a different payload (record %s)", e.Namespace, e.Key, e.Status)
+}
+
+// Is reports whether target is [ErrFingerprintMismatch].
+func (e *FingerprintMismatchError) Is(target error) bool { return target == ErrFingerprintMismatch }
+
+// StoreError wraps a database error. It matches [ErrStoreUnavailable] and unwraps to the
+// driver's error, so a *pgconn.PgError can be inspected with [errors.As].
+type StoreError struct {
+	// Op is the protocol step that failed: "reserve", "heartbeat", "complete", "release",
+	// "lookup", "sweep".
+	Op string
+	// Err is the underlying error.
+	Err error
+}
+
+func (e *StoreError) Error() string {
+	return fmt.Sprintf("pgidem: store unavailable: %s: %v", e.Op, e.Err)
+}
+
+// Unwrap returns [ErrStoreUnavailable] and the underlying error.
+func (e *StoreError) Unwrap() []error { return []error{ErrStoreUnavailable, e.Err} }
+
+// PermanentError marks fn's error as permanent: it is stored in the record and replayed to
+// every later call for the key until the record expires. Create it with [Permanent]. It
+// matches [ErrPermanent] and unwraps to the original error.
+type PermanentError struct {
+	// Err is the error fn returned.
+	Err error
+}
+
+// Permanent marks err as a permanent failure of the effect: the record stores err's message
+// and later calls for the key return a [*StoredFailureError] instead of running fn again.
+// Use it for failures that retrying cannot fix (card declined, address invalid). Returns
+// nil for a nil err.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &PermanentError{Err: err}
+}
+
+func (e *PermanentError) Error() string { return e.Err.Error() }
+
+// Unwrap returns the original error.
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// Is reports whether target is [ErrPermanent].
+func (e *PermanentError) Is(target error) bool { return target == ErrPermanent }
+
+// StoredFailureError is a permanent failure replayed from the record. It matches
+// [ErrPermanent] (and [ErrResultNotStorable] when that is what was stored).
+type StoredFailureError struct {
+	// Namespace and Key identify the record.
+	Namespace, Key string
+	// Message is the original error's message.
+	Message string
+	// NotStorable is true when the stored failure is an unencodable result rather than an
+	// error from fn.
+	NotStorable bool
+	// CompletedAt is when the failure was stored.
+	CompletedAt time.Time
+}
+
+func (e *StoredFailureError) Error() string {
+	return e.Message
+}
+
+// Is reports whether target is [ErrPermanent], or [ErrResultNotStorable] for a stored
+// unencodable result.
+func (e *StoredFailureError) Is(target error) bool {
+	return target == ErrPermanent || (e.NotStorable && target == ErrResultNotStorable)
+}

@@ -1,0 +1,63 @@
+package pgidem
+
+import "context"
+
+// EventKind names an outcome counted through [Hook].
+type EventKind string
+
+// Event kinds. Each call reports exactly one of Executed, Replayed, InProgress, InvalidKey,
+// StoreError or FailOpen as its outcome, plus Waited, TakenOver, LeaseLost or
+// FingerprintMismatch when those happened along the way. Sweep reports Swept.
+const (
+	// EventExecuted: fn ran under a fresh or taken-over reservation.
+	EventExecuted EventKind = "executed"
+	// EventReplayed: a stored result (or stored failure) was returned without running fn.
+	EventReplayed EventKind = "replayed"
+	// EventInProgress: the call returned [ErrInProgress].
+	EventInProgress EventKind = "in_progress"
+	// EventWaited: the call waited for another holder ([InFlightWait]).
+	EventWaited EventKind = "waited"
+	// EventTakenOver: the call took over an expired lease; the effect may run twice.
+	EventTakenOver EventKind = "taken_over"
+	// EventLeaseLost: the holder found its reservation taken over.
+	EventLeaseLost EventKind = "lease_lost"
+	// EventStoreError: a database error was returned or logged.
+	EventStoreError EventKind = "store_error"
+	// EventInvalidKey: the namespace, key or TTL was rejected.
+	EventInvalidKey EventKind = "invalid_key"
+	// EventFingerprintMismatch: the key was reused with a different fingerprint.
+	EventFingerprintMismatch EventKind = "fingerprint_mismatch"
+	// EventFailOpen: fn ran unprotected because the store was unreachable ([Config.FailOpen]).
+	EventFailOpen EventKind = "fail_open"
+	// EventSwept: a sweep deleted expired rows; Event.Count says how many.
+	EventSwept EventKind = "swept"
+)
+
+// Event is one outcome reported to a [Hook].
+type Event struct {
+	// Kind is what happened.
+	Kind EventKind
+	// Namespace is the record's namespace ("" for sweeps).
+	Namespace string
+	// Count is 1, or the number of rows for [EventSwept].
+	Count int64
+}
+
+// Hook receives outcome events, typically to increment counters (the OpenTelemetry adapter
+// implements it). OnEvent is called synchronously on the caller's goroutine, possibly from
+// many goroutines at once: it must be fast and safe for concurrent use.
+type Hook interface {
+	OnEvent(ctx context.Context, event Event)
+}
+
+// HookFunc adapts a function to [Hook].
+type HookFunc func(ctx context.Context, event Event)
+
+// OnEvent calls f(ctx, event).
+func (f HookFunc) OnEvent(ctx context.Context, event Event) { f(ctx, event) }
+
+func (c *Coordinator) emit(ctx context.Context, kind EventKind, namespace string, count int64) {
+	if c.config.Hook != nil {
+		c.config.Hook.OnEvent(ctx, Event{Kind: kind, Namespace: namespace, Count: count})
+	}
+}

@@ -1,0 +1,56 @@
+package pgidem
+
+import (
+	"context"
+	"fmt"
+	"unicode"
+	"unicode/utf8"
+)
+
+// validateKey checks a namespace and key against the rules in [ErrInvalidKey].
+func (c *Coordinator) validateKey(namespace, key string) error {
+	if err := validatePart("namespace", namespace, c.config.MaxNamespaceBytes); err != nil {
+		return err
+	}
+	return validatePart("key", key, c.config.MaxKeyBytes)
+}
+
+func validatePart(field, s string, maxBytes int) error {
+	if s == "" {
+		return &InvalidKeyError{Field: field, Reason: "is empty"}
+	}
+	if len(s) > maxBytes {
+		return &InvalidKeyError{Field: field, Reason: fmt.Sprintf("is %d bytes, longer than the limit of %d", len(s), maxBytes)}
+	}
+	for i, r := range s {
+		if r == utf8.RuneError {
+			if _, size := utf8.DecodeRuneInString(s[i:]); size <= 1 {
+				return &InvalidKeyError{Field: field, Reason: fmt.Sprintf("is not valid UTF-8 at byte %d", i)}
+			}
+		}
+		if unicode.IsControl(r) {
+			return &InvalidKeyError{Field: field, Reason: fmt.Sprintf("contains control character %U at byte %d", r, i)}
+		}
+	}
+	return nil
+}
+
+type keyContextKey struct{}
+
+type keyInfo struct {
+	namespace, key string
+}
+
+func withKey(ctx context.Context, namespace, key string) context.Context {
+	return context.WithValue(ctx, keyContextKey{}, keyInfo{namespace, key})
+}
+
+// KeyFromContext returns the namespace and idempotency key of the reservation fn runs
+// under; ok is false outside fn. Pass the key downstream as the external API's own
+// idempotency key (a payment provider's Idempotency-Key header, say): the provider's dedupe
+// is the only crash-safe boundary for a foreign effect, and reusing the same key there makes
+// a takeover's second run harmless.
+func KeyFromContext(ctx context.Context) (namespace, key string, ok bool) {
+	info, ok := ctx.Value(keyContextKey{}).(keyInfo)
+	return info.namespace, info.key, ok
+}

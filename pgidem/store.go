@@ -1,0 +1,271 @@
+package pgidem
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// executor is the smallest interface the store's statements need; a pool, a connection and a
+// transaction all satisfy it.
+type executor interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+var (
+	_ executor = (*pgxpool.Pool)(nil)
+	_ executor = (*pgx.Conn)(nil)
+	_ executor = (pgx.Tx)(nil)
+)
+
+// Status is a record's state.
+type Status string
+
+const (
+	// StatusInProgress: a holder has reserved the key and its effect is running (or its
+	// holder died and the lease will expire).
+	StatusInProgress Status = "in_progress"
+	// StatusCompleted: the effect succeeded; the record holds its result for replay.
+	StatusCompleted Status = "completed"
+	// StatusFailed: the effect failed permanently ([Permanent]); the failure is replayed.
+	StatusFailed Status = "failed"
+)
+
+// Record is one row of pgidem_record, as returned by [Coordinator.Lookup].
+type Record struct {
+	// Namespace and Key identify the record.
+	Namespace, Key string
+	// Status is in progress, completed or failed.
+	Status Status
+	// Attempts is how many times the effect was started under this key: 1 normally; more
+	// means a takeover happened and the effect may have run more than once.
+	Attempts int
+	// Fingerprint is the stored payload fingerprint, nil when none was given.
+	Fingerprint []byte
+	// Result is the stored JSON result of a completed record (JSON null for a nil value);
+	// nil for other statuses.
+	Result json.RawMessage
+	// Error is the stored JSON failure of a failed record, nil otherwise.
+	Error json.RawMessage
+	// LeaseExpiresAt is the holder's lease expiry for an in-progress record, zero otherwise.
+	LeaseExpiresAt time.Time
+	// ExpiresAt is when the record stops counting (its TTL); after it the key behaves as if
+	// it had never been used, whether or not a sweep has deleted the row.
+	ExpiresAt time.Time
+	// CreatedAt, UpdatedAt and CompletedAt are the row's times (CompletedAt zero while in
+	// progress).
+	CreatedAt, UpdatedAt, CompletedAt time.Time
+	// Expired reports whether ExpiresAt had passed by the database clock when the row was
+	// read.
+	Expired bool
+}
+
+// storedFailure is the JSON shape of pgidem_record.error.
+type storedFailure struct {
+	Message     string `json:"message"`
+	NotStorable bool   `json:"not_storable,omitempty"`
+}
+
+// statements holds the protocol's SQL with the table name already quoted in.
+type statements struct {
+	reserve, takeover, heartbeat, complete, release, lookup, sweep string
+}
+
+// Columns every protocol statement returns, in scanRow's order. db_now is the database
+// clock at the statement, used for retry-after hints.
+const rowColumns = `status, owner, attempts, fingerprint, result, error, lease_expires_at,
+	expires_at, created_at, updated_at, completed_at, expires_at <= now() AS expired,
+	(status = 'in_progress' AND lease_expires_at <= now()) AS lease_expired, now() AS db_now`
+
+func newStatements(schema string) statements {
+	t := qualify(schema, "pgidem_record")
+	r := strings.NewReplacer("{t}", t, "{cols}", rowColumns)
+	return statements{
+		// Insert a fresh reservation, or read the existing row in the same round trip.
+		// ON CONFLICT DO NOTHING takes no lock and assigns no transaction id when the row
+		// exists, so replays and in-progress checks stay pure reads. When the conflicting
+		// row committed after this statement's snapshot, neither branch returns a row and
+		// the caller runs it again.
+		reserve: r.Replace(`
+WITH ins AS (
+	INSERT INTO {t} (namespace, key, status, owner, attempts, fingerprint,
+		lease_expires_at, expires_at)
+	VALUES ($1, $2, 'in_progress', $3, 1, $4,
+		now() + $5 * interval '1 microsecond', now() + $6 * interval '1 microsecond')
+	ON CONFLICT (namespace, key) DO NOTHING
+	RETURNING true AS inserted, {cols}
+)
+SELECT * FROM ins
+UNION ALL
+SELECT false, {cols} FROM {t}
+WHERE namespace = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
+
+		// Take over an expired record or an in-progress record whose lease expired. The
+		// WHERE clause is re-checked on the newest row version under READ COMMITTED, so of
+		// two concurrent takers exactly one updates a row. An expired record starts afresh
+		// (attempts 1, new fingerprint); a lease takeover counts an attempt and keeps a
+		// stored fingerprint.
+		takeover: r.Replace(`
+UPDATE {t} SET
+	owner = $3,
+	attempts = CASE WHEN expires_at <= now() THEN 1 ELSE attempts + 1 END,
+	fingerprint = CASE WHEN expires_at <= now() THEN $4 ELSE coalesce(fingerprint, $4) END,
+	created_at = CASE WHEN expires_at <= now() THEN now() ELSE created_at END,
+	status = 'in_progress',
+	result = NULL,
+	error = NULL,
+	completed_at = NULL,
+	lease_expires_at = now() + $5 * interval '1 microsecond',
+	expires_at = now() + $6 * interval '1 microsecond',
+	updated_at = now()
+WHERE namespace = $1 AND key = $2
+	AND (expires_at <= now() OR (status = 'in_progress' AND lease_expires_at <= now()))
+	AND ($4::bytea IS NULL OR fingerprint IS NULL OR fingerprint = $4 OR expires_at <= now())
+RETURNING true AS inserted, {cols}`),
+
+		// Renew the lease; keeps the record from expiring under a live holder.
+		heartbeat: r.Replace(`
+UPDATE {t} SET
+	lease_expires_at = now() + $4 * interval '1 microsecond',
+	expires_at = greatest(expires_at, now() + $4 * interval '1 microsecond'),
+	updated_at = now()
+WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`),
+
+		// Store the outcome; the TTL counts from completion.
+		complete: r.Replace(`
+UPDATE {t} SET
+	status = $4,
+	result = $5,
+	error = $6,
+	lease_expires_at = NULL,
+	completed_at = now(),
+	expires_at = now() + $7 * interval '1 microsecond',
+	updated_at = now()
+WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`),
+
+		release: r.Replace(`
+DELETE FROM {t}
+WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`),
+
+		lookup: r.Replace(`SELECT {cols} FROM {t} WHERE namespace = $1 AND key = $2`),
+
+		// Delete one batch of expired rows. SKIP LOCKED lets concurrent sweeps split the
+		// work instead of queueing; a live holder's row is never expired (the heartbeat
+		// keeps expires_at ahead of its lease).
+		sweep: r.Replace(`
+DELETE FROM {t}
+WHERE (namespace, key) IN (
+	SELECT namespace, key FROM {t}
+	WHERE expires_at <= now()
+		AND (status <> 'in_progress' OR lease_expires_at <= now())
+	LIMIT $1
+	FOR UPDATE SKIP LOCKED
+)`),
+	}
+}
+
+// row is a record as read by a protocol statement.
+type row struct {
+	inserted     bool
+	status       Status
+	owner        pgtype.UUID
+	attempts     int
+	fingerprint  []byte
+	result       []byte
+	failure      []byte
+	leaseExpires pgtype.Timestamptz
+	expiresAt    time.Time
+	createdAt    time.Time
+	updatedAt    time.Time
+	completedAt  pgtype.Timestamptz
+	expired      bool
+	leaseExpired bool
+	dbNow        time.Time
+}
+
+func (r *row) scanTargets(withInserted bool) []any {
+	targets := []any{&r.status, &r.owner, &r.attempts, &r.fingerprint, &r.result, &r.failure,
+		&r.leaseExpires, &r.expiresAt, &r.createdAt, &r.updatedAt, &r.completedAt, &r.expired,
+		&r.leaseExpired, &r.dbNow}
+	if withInserted {
+		return append([]any{&r.inserted}, targets...)
+	}
+	return targets
+}
+
+// available reports whether the row counts as absent: expired, or in progress with an
+// expired lease. Such a row is taken over.
+func (r *row) available() bool { return r.expired || r.leaseExpired }
+
+func (r *row) record(namespace, key string) *Record {
+	return &Record{
+		Namespace:      namespace,
+		Key:            key,
+		Status:         r.status,
+		Attempts:       r.attempts,
+		Fingerprint:    r.fingerprint,
+		Result:         r.result,
+		Error:          r.failure,
+		LeaseExpiresAt: r.leaseExpires.Time,
+		ExpiresAt:      r.expiresAt,
+		CreatedAt:      r.createdAt,
+		UpdatedAt:      r.updatedAt,
+		CompletedAt:    r.completedAt.Time,
+		Expired:        r.expired,
+	}
+}
+
+// newOwner returns a random version 4 UUID, the fencing token of one reservation.
+func newOwner() pgtype.UUID {
+	var u pgtype.UUID
+	_, _ = rand.Read(u.Bytes[:]) // crypto/rand.Read never fails on supported platforms
+	u.Bytes[6] = (u.Bytes[6] & 0x0f) | 0x40
+	u.Bytes[8] = (u.Bytes[8] & 0x3f) | 0x80
+	u.Valid = true
+	return u
+}
+
+// Lookup reads the record for (namespace, key) without changing it. It returns
+// [ErrNotFound] when there is no row, and the row (with Expired set) when it exists but has
+// expired. Database errors are returned as [*StoreError]. Safe for concurrent use.
+func (c *Coordinator) Lookup(ctx context.Context, namespace, key string) (*Record, error) {
+	return c.lookup(ctx, c.pool, namespace, key)
+}
+
+// LookupTx is [Coordinator.Lookup] inside the caller's transaction.
+func (c *Coordinator) LookupTx(ctx context.Context, tx pgx.Tx, namespace, key string) (*Record, error) {
+	return c.lookup(ctx, tx, namespace, key)
+}
+
+func (c *Coordinator) lookup(ctx context.Context, db executor, namespace, key string) (*Record, error) {
+	var r row
+	err := db.QueryRow(ctx, c.sql.lookup, namespace, key).Scan(r.scanTargets(false)...)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, ErrNotFound
+	}
+	if err != nil {
+		return nil, storeError("lookup", err)
+	}
+	return r.record(namespace, key), nil
+}
+
+// storeError wraps a database error as [*StoreError], leaving context errors alone so that
+// callers can tell cancellation from an unreachable store.
+func storeError(op string, err error) error {
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	return &StoreError{Op: op, Err: err}
+}
+
+func micros(d time.Duration) int64 { return d.Microseconds() }

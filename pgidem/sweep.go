@@ -1,0 +1,79 @@
+package pgidem
+
+import (
+	"cmp"
+	"context"
+	"log/slog"
+	"time"
+)
+
+// SweepBatchSizeDefault is the default [SweepOpts.BatchSize].
+const SweepBatchSizeDefault = 1000
+
+// SweepOpts are optional settings for [Coordinator.Sweep]. A nil *SweepOpts means defaults.
+type SweepOpts struct {
+	// BatchSize is how many rows one DELETE removes, bounding lock time and WAL per
+	// statement. Default [SweepBatchSizeDefault] (1000).
+	BatchSize int
+	// Pause is how long to sleep between batches, to spread the load. Default 0.
+	Pause time.Duration
+	// MaxBatches bounds the number of batches per table in one call. Default 0: until no
+	// expired row is left.
+	MaxBatches int
+}
+
+// SweepResult reports what a sweep deleted.
+type SweepResult struct {
+	// Records is the number of expired records deleted.
+	Records int64
+	// Inbox is the number of expired inbox rows deleted.
+	Inbox int64
+}
+
+// Sweep deletes expired records in batches until none is left (or MaxBatches is reached)
+// and returns how many it deleted. Expired rows already behave as absent, so sweeping only
+// reclaims space; in-progress records under a live lease are never deleted. Concurrent
+// sweeps (two River leaders during a handover, cron and a River job) split the rows with
+// SKIP LOCKED instead of blocking. Cancelling ctx stops between batches and returns what
+// was deleted so far with ctx's error. Database errors are returned as [*StoreError].
+func (c *Coordinator) Sweep(ctx context.Context, opts *SweepOpts) (*SweepResult, error) {
+	if opts == nil {
+		opts = &SweepOpts{}
+	}
+	batch := cmp.Or(opts.BatchSize, SweepBatchSizeDefault)
+	res := &SweepResult{}
+	n, err := c.sweepTable(ctx, c.sql.sweep, batch, opts)
+	res.Records += n
+	if err == nil {
+		c.config.Logger.DebugContext(ctx, "pgidem: sweep done", slog.Int64("records", res.Records))
+	}
+	return res, err
+}
+
+func (c *Coordinator) sweepTable(ctx context.Context, sql string, batch int, opts *SweepOpts) (int64, error) {
+	var total int64
+	for i := 0; opts.MaxBatches == 0 || i < opts.MaxBatches; i++ {
+		if i > 0 && opts.Pause > 0 {
+			timer := time.NewTimer(opts.Pause)
+			select {
+			case <-ctx.Done():
+				timer.Stop()
+				return total, ctx.Err()
+			case <-timer.C:
+			}
+		}
+		tag, err := c.pool.Exec(ctx, sql, batch)
+		if err != nil {
+			return total, storeError("sweep", err)
+		}
+		n := tag.RowsAffected()
+		total += n
+		if n > 0 {
+			c.emit(ctx, EventSwept, "", n)
+		}
+		if n < int64(batch) {
+			break
+		}
+	}
+	return total, nil
+}

@@ -1,11 +1,18 @@
 package pgidem_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/pgidem"
@@ -17,8 +24,10 @@ func TestDoBasic(t *testing.T) {
 	var runs atomic.Int32
 	fn := func(ctx context.Context) (string, error) {
 		ns, key, ok := pgidem.KeyFromContext(ctx)
-		require.True(t, ok)
-		return ns + "/" + key + "#" + string(rune('0'+runs.Add(1))), nil
+		if !ok {
+			return "", errors.New("no key in context")
+		}
+		return fmt.Sprintf("%s/%s#%d", ns, key, runs.Add(1)), nil
 	}
 	first, err := pgidem.DoResult(b.ctx, b.coord, "mail", "order-9.invoice", testTTL, nil, fn)
 	require.NoError(t, err)
@@ -35,7 +44,677 @@ func TestDoBasic(t *testing.T) {
 	rec := b.lookup(t, "mail", "order-9.invoice")
 	require.Equal(t, pgidem.StatusCompleted, rec.Status)
 	require.JSONEq(t, `"mail/order-9.invoice#1"`, string(rec.Result))
+	require.WithinDuration(t, rec.CompletedAt.Add(testTTL), rec.ExpiresAt, time.Second, "TTL counts from completion")
 
 	_, err = b.coord.Lookup(b.ctx, "mail", "nope")
-	require.True(t, errors.Is(err, pgidem.ErrNotFound))
+	require.ErrorIs(t, err, pgidem.ErrNotFound)
+
+	_, _, ok := pgidem.KeyFromContext(b.ctx)
+	require.False(t, ok)
+}
+
+func TestConcurrentCallers(t *testing.T) {
+	t.Parallel()
+	const callers = 32
+
+	t.Run("Wait", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		var runs atomic.Int32
+		values := make([]string, callers)
+		errs := make([]error, callers)
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for i := range callers {
+			wg.Go(func() {
+				<-start
+				values[i], errs[i] = pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (string, error) {
+					n := runs.Add(1)
+					time.Sleep(50 * time.Millisecond) // keep the others in flight
+					return fmt.Sprintf("em_%d", n), nil
+				})
+			})
+		}
+		close(start)
+		wg.Wait()
+		require.EqualValues(t, 1, runs.Load(), "fn ran once")
+		for i := range callers {
+			require.NoError(t, errs[i])
+			require.Equal(t, "em_1", values[i], "caller %d", i)
+		}
+	})
+
+	t.Run("Raise", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, &pgidem.Config{InFlight: pgidem.InFlightRaise})
+		var runs, answered atomic.Int32
+		release := make(chan struct{})
+		values := make([]string, callers)
+		errs := make([]error, callers)
+		var wg sync.WaitGroup
+		for i := range callers {
+			wg.Go(func() {
+				values[i], errs[i] = pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (string, error) {
+					runs.Add(1)
+					<-release // hold the key until every other caller has answered
+					return "em_1", nil
+				})
+				if errs[i] != nil && answered.Add(1) == callers-1 {
+					close(release)
+				}
+			})
+		}
+		wg.Wait()
+		require.EqualValues(t, 1, runs.Load())
+		var ok, inProgress int
+		for i := range callers {
+			if errs[i] == nil {
+				ok++
+				require.Equal(t, "em_1", values[i])
+				continue
+			}
+			var ipe *pgidem.InProgressError
+			require.ErrorAs(t, errs[i], &ipe)
+			require.ErrorIs(t, errs[i], pgidem.ErrInProgress)
+			require.Positive(t, ipe.RetryAfter)
+			inProgress++
+		}
+		require.Equal(t, 1, ok)
+		require.Equal(t, callers-1, inProgress)
+	})
+
+	t.Run("ManyKeys", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		const keys = 16
+		var runs [keys]atomic.Int32
+		var wg sync.WaitGroup
+		errs := make(chan error, keys*4)
+		for i := range keys * 4 {
+			wg.Go(func() {
+				k := i % keys
+				v, err := pgidem.Do(b.ctx, b.coord, "mail", fmt.Sprintf("order-%d.invoice", k), testTTL, nil,
+					func(context.Context) (int, error) {
+						runs[k].Add(1)
+						time.Sleep(20 * time.Millisecond)
+						return k, nil
+					})
+				if err == nil && v != k {
+					err = fmt.Errorf("key %d got value %d", k, v)
+				}
+				errs <- err
+			})
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			require.NoError(t, err)
+		}
+		for k := range keys {
+			require.EqualValues(t, 1, runs[k].Load(), "key %d", k)
+		}
+		require.Equal(t, keys, b.count(t))
+	})
+}
+
+func TestLiveHolderNeverTakenOver(t *testing.T) {
+	t.Parallel()
+	const lease = 300 * time.Millisecond
+	b := setup(t, &pgidem.Config{Lease: lease, InFlight: pgidem.InFlightRaise})
+
+	started := make(chan struct{})
+	done := make(chan struct{})
+	var runs atomic.Int32
+	go func() {
+		defer close(done)
+		_, err := pgidem.Do(b.ctx, b.coord, "mail", "slow", testTTL, nil, func(ctx context.Context) (string, error) {
+			runs.Add(1)
+			close(started)
+			select {
+			case <-time.After(3 * lease): // three leases long
+			case <-ctx.Done():
+				return "", context.Cause(ctx)
+			}
+			return "slow-done", nil
+		})
+		if err != nil {
+			t.Errorf("holder: %v", err)
+		}
+	}()
+	<-started
+	// Contenders keep knocking for the whole run; every one must see the key in progress.
+	for {
+		select {
+		case <-done:
+		default:
+			_, err := pgidem.Do(b.ctx, b.coord, "mail", "slow", testTTL, nil, func(context.Context) (string, error) {
+				runs.Add(1)
+				return "contender", nil
+			})
+			if err != nil {
+				require.ErrorIs(t, err, pgidem.ErrInProgress)
+			}
+			time.Sleep(lease / 4)
+			continue
+		}
+		break
+	}
+	require.EqualValues(t, 1, runs.Load())
+	rec := b.lookup(t, "mail", "slow")
+	require.Equal(t, 1, rec.Attempts)
+	require.JSONEq(t, `"slow-done"`, string(rec.Result))
+}
+
+func TestWaiterCancelledChangesNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	started, release := make(chan struct{}), make(chan struct{})
+	holderDone := make(chan error, 1)
+	go func() {
+		_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (string, error) {
+			close(started)
+			<-release
+			return "holder", nil
+		})
+		holderDone <- err
+	}()
+	<-started
+	before := b.lookup(t, "mail", "k")
+
+	ctx, cancel := context.WithCancel(b.ctx)
+	waitErr := make(chan error, 1)
+	go func() {
+		_, err := pgidem.Do(ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (string, error) {
+			return "waiter", nil
+		})
+		waitErr <- err
+	}()
+	time.Sleep(50 * time.Millisecond) // let the waiter poll at least once
+	cancel()
+	require.ErrorIs(t, <-waitErr, context.Canceled)
+
+	// A rejected (Raise) caller and a waiter that timed out never touch the holder's row.
+	_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, &pgidem.DoOpts{InFlight: pgidem.InFlightRaise},
+		func(context.Context) (string, error) { return "raise", nil })
+	require.ErrorIs(t, err, pgidem.ErrInProgress)
+	_, err = pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, &pgidem.DoOpts{WaitTimeout: 30 * time.Millisecond},
+		func(context.Context) (string, error) { return "timeout", nil })
+	var ipe *pgidem.InProgressError
+	require.ErrorAs(t, err, &ipe)
+	require.True(t, ipe.Waited)
+
+	after := b.lookup(t, "mail", "k")
+	require.Equal(t, pgidem.StatusInProgress, after.Status)
+	require.Equal(t, before.Attempts, after.Attempts)
+	require.Equal(t, before.CreatedAt, after.CreatedAt)
+
+	close(release)
+	require.NoError(t, <-holderDone)
+	rec := b.lookup(t, "mail", "k")
+	require.JSONEq(t, `"holder"`, string(rec.Result))
+}
+
+func TestLeaseLostHolderCannotOverwrite(t *testing.T) {
+	t.Parallel()
+	const lease = 300 * time.Millisecond
+	b := setup(t, &pgidem.Config{Lease: lease})
+
+	started := make(chan struct{})
+	type outcome struct {
+		value string
+		err   error
+		cause error
+	}
+	first := make(chan outcome, 1)
+	go func() {
+		var cause error
+		v, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (string, error) {
+			close(started)
+			<-ctx.Done() // a stalled holder: only the heartbeat's verdict ends it
+			cause = context.Cause(ctx)
+			return "stale", nil
+		})
+		first <- outcome{v, err, cause}
+	}()
+	<-started
+	// Simulate the stall that outlived the lease: expire it, then let a second caller take
+	// over before the first holder's heartbeat runs again.
+	_, err := b.db.Pool.Exec(b.ctx, `UPDATE pgidem_record SET lease_expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	second, err := pgidem.DoResult(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (string, error) {
+		return "fresh", nil
+	})
+	require.NoError(t, err)
+	require.True(t, second.TookOver)
+	require.Equal(t, 2, second.Attempts)
+
+	got := <-first
+	require.ErrorIs(t, got.cause, pgidem.ErrLeaseLost, "fn's context is cancelled with cause ErrLeaseLost")
+	require.ErrorIs(t, got.err, pgidem.ErrLeaseLost)
+	require.Equal(t, "stale", got.value, "the value comes back with the error")
+
+	rec := b.lookup(t, "mail", "k")
+	require.Equal(t, pgidem.StatusCompleted, rec.Status)
+	require.JSONEq(t, `"fresh"`, string(rec.Result), "the taken-over holder did not overwrite")
+	require.Equal(t, 2, rec.Attempts)
+}
+
+func TestExpiredRecordIsAbsent(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for i, status := range []string{"completed", "failed", "in_progress"} {
+		key := "k-" + status
+		_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record
+			(namespace, key, status, owner, attempts, fingerprint, result, error, lease_expires_at, expires_at)
+			VALUES ('mail', $1, $2, gen_random_uuid(), 3, '\xaa', '"old"',
+				CASE WHEN $2 = 'failed' THEN '{"message":"old"}'::jsonb END,
+				CASE WHEN $2 = 'in_progress' THEN now() + interval '1 hour' END,
+				now() - interval '1 second')`, key, status)
+		require.NoError(t, err, status)
+		res, err := pgidem.DoResult(b.ctx, b.coord, "mail", key, testTTL,
+			&pgidem.DoOpts{Fingerprint: []byte{0xbb}}, func(context.Context) (int, error) { return i, nil })
+		require.NoError(t, err, status)
+		require.False(t, res.Replayed, status)
+		require.False(t, res.TookOver, "an expired record is not a takeover")
+		require.Equal(t, 1, res.Attempts, status)
+		rec := b.lookup(t, "mail", key)
+		require.Equal(t, []byte{0xbb}, rec.Fingerprint, "the new fingerprint binds")
+		require.False(t, rec.Expired)
+	}
+}
+
+func TestReplayExactValues(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	type receipt struct {
+		ID    string
+		Count int
+		Tags  []string
+		Ptr   *int
+	}
+	big := strings.Repeat("x", 1<<20)
+
+	check := func(t *testing.T, key string, want any, run func(key string) (any, bool, error)) {
+		t.Helper()
+		got, replayed, err := run(key)
+		require.NoError(t, err)
+		require.False(t, replayed)
+		require.Equal(t, want, got)
+		got, replayed, err = run(key)
+		require.NoError(t, err)
+		require.True(t, replayed)
+		require.Equal(t, want, got, "replay of %s", key)
+	}
+	do := func(v any) func(string) (any, bool, error) {
+		return func(key string) (any, bool, error) {
+			switch v := v.(type) {
+			case int:
+				r, err := pgidem.DoResult(b.ctx, b.coord, "t", key, testTTL, nil, func(context.Context) (int, error) { return v, nil })
+				return r.Value, r.Replayed, err
+			case string:
+				r, err := pgidem.DoResult(b.ctx, b.coord, "t", key, testTTL, nil, func(context.Context) (string, error) { return v, nil })
+				return r.Value, r.Replayed, err
+			case *receipt:
+				r, err := pgidem.DoResult(b.ctx, b.coord, "t", key, testTTL, nil, func(context.Context) (*receipt, error) { return v, nil })
+				return r.Value, r.Replayed, err
+			case receipt:
+				r, err := pgidem.DoResult(b.ctx, b.coord, "t", key, testTTL, nil, func(context.Context) (receipt, error) { return v, nil })
+				return r.Value, r.Replayed, err
+			case []string:
+				r, err := pgidem.DoResult(b.ctx, b.coord, "t", key, testTTL, nil, func(context.Context) ([]string, error) { return v, nil })
+				return r.Value, r.Replayed, err
+			case map[string]any:
+				r, err := pgidem.DoResult(b.ctx, b.coord, "t", key, testTTL, nil, func(context.Context) (map[string]any, error) { return v, nil })
+				return r.Value, r.Replayed, err
+			case struct{}:
+				r, err := pgidem.DoResult(b.ctx, b.coord, "t", key, testTTL, nil, func(context.Context) (struct{}, error) { return v, nil })
+				return r.Value, r.Replayed, err
+			}
+			panic(fmt.Sprintf("unhandled %T", v))
+		}
+	}
+	seven := 7
+	for _, tc := range []struct {
+		name string
+		v    any
+	}{
+		{"ZeroInt", 0},
+		{"EmptyString", ""},
+		{"NilPointer", (*receipt)(nil)},
+		{"ZeroStruct", receipt{}},
+		{"FullStruct", receipt{ID: "em_1", Count: 2, Tags: []string{"a", "b"}, Ptr: &seven}},
+		{"EmptySlice", []string{}},
+		{"NilSlice", []string(nil)},
+		{"NilMap", map[string]any(nil)},
+		{"JSONNullInMap", map[string]any{"a": nil}},
+		{"EmptyStruct", struct{}{}},
+		{"OneMiB", big},
+		{"Unicode", "ünïcødé \u2028 \t"},
+	} {
+		check(t, tc.name, tc.v, do(tc.v))
+	}
+
+	t.Run("NotStorable", func(t *testing.T) {
+		var runs int
+		fn := func(context.Context) (string, error) { runs++; return "nul\x00byte", nil }
+		v, err := pgidem.Do(b.ctx, b.coord, "t", "nul-result", testTTL, nil, fn)
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable)
+		require.Equal(t, "nul\x00byte", v, "the caller still gets the value")
+		_, err = pgidem.Do(b.ctx, b.coord, "t", "nul-result", testTTL, nil, fn)
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable, "replayed, not re-run")
+		require.Equal(t, 1, runs)
+	})
+}
+
+func TestFingerprint(t *testing.T) {
+	t.Parallel()
+	const lease = 300 * time.Millisecond
+	b := setup(t, &pgidem.Config{Lease: lease, InFlight: pgidem.InFlightRaise})
+	fpA, fpB := &pgidem.DoOpts{Fingerprint: []byte("A")}, &pgidem.DoOpts{Fingerprint: []byte("B")}
+	ok := func(context.Context) (string, error) { return "v", nil }
+	mustNotRun := func(context.Context) (string, error) { t.Error("fn ran on a mismatch"); return "", nil }
+
+	t.Run("Replay", func(t *testing.T) {
+		_, err := pgidem.Do(b.ctx, b.coord, "fp", "done", testTTL, fpA, ok)
+		require.NoError(t, err)
+		_, err = pgidem.Do(b.ctx, b.coord, "fp", "done", testTTL, fpB, mustNotRun)
+		var fme *pgidem.FingerprintMismatchError
+		require.ErrorAs(t, err, &fme)
+		require.Equal(t, pgidem.StatusCompleted, fme.Status)
+		v, err := pgidem.Do(b.ctx, b.coord, "fp", "done", testTTL, fpA, mustNotRun)
+		require.NoError(t, err)
+		require.Equal(t, "v", v)
+		require.Equal(t, []byte("A"), b.lookup(t, "fp", "done").Fingerprint, "survives completion")
+	})
+
+	t.Run("InProgress", func(t *testing.T) {
+		started, release := make(chan struct{}), make(chan struct{})
+		done := make(chan error, 1)
+		go func() {
+			_, err := pgidem.Do(b.ctx, b.coord, "fp", "running", testTTL, fpA, func(context.Context) (string, error) {
+				close(started)
+				<-release
+				return "v", nil
+			})
+			done <- err
+		}()
+		<-started
+		_, err := pgidem.Do(b.ctx, b.coord, "fp", "running", testTTL, fpB, mustNotRun)
+		require.ErrorIs(t, err, pgidem.ErrFingerprintMismatch)
+		_, err = pgidem.Do(b.ctx, b.coord, "fp", "running", testTTL, fpA, mustNotRun)
+		require.ErrorIs(t, err, pgidem.ErrInProgress)
+		close(release)
+		require.NoError(t, <-done)
+	})
+
+	t.Run("Takeover", func(t *testing.T) {
+		_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record
+			(namespace, key, status, owner, fingerprint, lease_expires_at, expires_at)
+			VALUES ('fp', 'dead', 'in_progress', gen_random_uuid(), 'A', now() - interval '1 second', now() + interval '1 hour')`)
+		require.NoError(t, err)
+		_, err = pgidem.Do(b.ctx, b.coord, "fp", "dead", testTTL, fpB, mustNotRun)
+		require.ErrorIs(t, err, pgidem.ErrFingerprintMismatch)
+		require.Equal(t, 1, b.lookup(t, "fp", "dead").Attempts, "a mismatching caller does not take over")
+		res, err := pgidem.DoResult(b.ctx, b.coord, "fp", "dead", testTTL, &pgidem.DoOpts{}, ok)
+		require.NoError(t, err, "no fingerprint given: no check")
+		require.True(t, res.TookOver)
+		require.Equal(t, []byte("A"), b.lookup(t, "fp", "dead").Fingerprint, "survives takeover")
+	})
+}
+
+func TestInvalidInput(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for _, tc := range []struct {
+		name      string
+		namespace string
+		key       string
+		ttl       time.Duration
+		opts      *pgidem.DoOpts
+		want      error
+	}{
+		{"EmptyNamespace", "", "k", testTTL, nil, pgidem.ErrInvalidKey},
+		{"EmptyKey", "ns", "", testTTL, nil, pgidem.ErrInvalidKey},
+		{"NUL", "ns", "order-9\x00invoice", testTTL, nil, pgidem.ErrInvalidKey},
+		{"NULNamespace", "n\x00s", "k", testTTL, nil, pgidem.ErrInvalidKey},
+		{"Newline", "ns", "order-9\ninvoice", testTTL, nil, pgidem.ErrInvalidKey},
+		{"Escape", "ns", "k\x1b[31m", testTTL, nil, pgidem.ErrInvalidKey},
+		{"DEL", "ns", "k\x7f", testTTL, nil, pgidem.ErrInvalidKey},
+		{"C1Control", "ns", "k\u0085", testTTL, nil, pgidem.ErrInvalidKey},
+		{"InvalidUTF8", "ns", "k\xff\xfe", testTTL, nil, pgidem.ErrInvalidKey},
+		{"TruncatedUTF8", "ns", "k\xc3", testTTL, nil, pgidem.ErrInvalidKey},
+		{"Key256Bytes", "ns", strings.Repeat("k", 256), testTTL, nil, pgidem.ErrInvalidKey},
+		{"Namespace65Bytes", strings.Repeat("n", 65), "k", testTTL, nil, pgidem.ErrInvalidKey},
+		{"TTLBelowMin", "ns", "k", time.Minute - time.Millisecond, nil, pgidem.ErrInvalidTTL},
+		{"TTLZero", "ns", "k", 0, nil, pgidem.ErrInvalidTTL},
+		{"TTLNegative", "ns", "k", -time.Hour, nil, pgidem.ErrInvalidTTL},
+		{"LeaseEqualsTTL", "ns", "k", 2 * time.Minute, &pgidem.DoOpts{Lease: 2 * time.Minute}, pgidem.ErrInvalidTTL},
+		{"LeaseAboveTTL", "ns", "k", 2 * time.Minute, &pgidem.DoOpts{Lease: time.Hour}, pgidem.ErrInvalidTTL},
+		{"LeaseTooShort", "ns", "k", testTTL, &pgidem.DoOpts{Lease: time.Millisecond}, pgidem.ErrInvalidTTL},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ran := false
+			_, err := pgidem.Do(b.ctx, b.coord, tc.namespace, tc.key, tc.ttl, tc.opts, func(context.Context) (int, error) {
+				ran = true
+				return 1, nil
+			})
+			require.ErrorIs(t, err, tc.want)
+			require.False(t, ran, "fn must not run for invalid input")
+		})
+	}
+	var ike *pgidem.InvalidKeyError
+	_, err := pgidem.Do(b.ctx, b.coord, "ns", "a\x00b", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+	require.ErrorAs(t, err, &ike)
+	require.Equal(t, "key", ike.Field)
+	require.Contains(t, ike.Error(), "U+0000")
+	require.Equal(t, 0, b.count(t), "nothing stored")
+
+	// Valid edge cases: no character is reserved, exactly at the limit.
+	for _, key := range []string{"order-9:invoice", "a/b\\c%_*'\"", strings.Repeat("k", 255), "ünï 🧾", " "} {
+		_, err := pgidem.Do(b.ctx, b.coord, strings.Repeat("n", 64), key, testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+		require.NoError(t, err, "%q", key)
+	}
+}
+
+func TestConfigValidation(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for _, tc := range []struct {
+		cfg   pgidem.Config
+		field string
+	}{
+		{pgidem.Config{Lease: time.Millisecond}, "Config.Lease"},
+		{pgidem.Config{Lease: time.Minute, MinTTL: time.Minute}, "Config.MinTTL"},
+		{pgidem.Config{InFlight: 7}, "Config.InFlight"},
+		{pgidem.Config{WaitTimeout: -1}, "Config.WaitTimeout"},
+		{pgidem.Config{PollIntervalMin: time.Second, PollIntervalMax: time.Millisecond}, "Config.PollIntervalMin"},
+		{pgidem.Config{MaxKeyBytes: 4000}, "Config.MaxKeyBytes"},
+	} {
+		_, err := pgidem.NewCoordinator(b.db.Pool, &tc.cfg)
+		require.ErrorContains(t, err, tc.field)
+	}
+	_, err := pgidem.NewCoordinator(nil, nil)
+	require.Error(t, err)
+	cfg := b.coord.Config()
+	require.Equal(t, pgidem.LeaseDefault, cfg.Lease)
+	require.Equal(t, pgidem.MinTTLDefault, cfg.MinTTL)
+	require.Equal(t, pgidem.InFlightWait, cfg.InFlight)
+}
+
+func TestStoreUnavailable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	// Nothing listens on port 1.
+	pool, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:1/postgres?connect_timeout=2")
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+
+	t.Run("ClosedPort", func(t *testing.T) {
+		coord, err := pgidem.NewCoordinator(pool, nil)
+		require.NoError(t, err)
+		ran := false
+		_, err = pgidem.Do(ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { ran = true; return 1, nil })
+		require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+		var se *pgidem.StoreError
+		require.ErrorAs(t, err, &se)
+		require.Equal(t, "reserve", se.Op)
+		require.False(t, ran)
+	})
+
+	t.Run("FailOpen", func(t *testing.T) {
+		var logs bytes.Buffer
+		var mu sync.Mutex
+		var events []pgidem.EventKind
+		coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{
+			FailOpen: true,
+			Logger:   slog.New(slog.NewTextHandler(&syncWriter{w: &logs, mu: &mu}, nil)),
+			Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+				mu.Lock()
+				events = append(events, e.Kind)
+				mu.Unlock()
+			}),
+		})
+		require.NoError(t, err)
+		res, err := pgidem.DoResult(ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 42, nil })
+		require.NoError(t, err)
+		require.Equal(t, 42, res.Value)
+		require.True(t, res.FailedOpen)
+		mu.Lock()
+		defer mu.Unlock()
+		require.Contains(t, logs.String(), "level=WARN")
+		require.Contains(t, logs.String(), "unprotected")
+		require.Contains(t, events, pgidem.EventFailOpen)
+	})
+
+	t.Run("InvalidKeyNeverFailsOpen", func(t *testing.T) {
+		coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{FailOpen: true})
+		require.NoError(t, err)
+		ran := false
+		_, err = pgidem.Do(ctx, coord, "mail", "bad\x00key", testTTL, nil, func(context.Context) (int, error) { ran = true; return 1, nil })
+		require.ErrorIs(t, err, pgidem.ErrInvalidKey)
+		require.False(t, ran)
+	})
+}
+
+type syncWriter struct {
+	w  *bytes.Buffer
+	mu *sync.Mutex
+}
+
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
+}
+
+func TestBackendTerminatedDuringFn(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	v, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (string, error) {
+		// Kill every connection the pool holds, as a failover or an admin would.
+		_, err := b.db.Pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+			WHERE datname = current_database() AND pid <> pg_backend_pid()`)
+		if err != nil {
+			return "", err
+		}
+		return "sent", nil
+	})
+	require.NoError(t, err, "the finishing write retries on a fresh connection")
+	require.Equal(t, "sent", v)
+	require.JSONEq(t, `"sent"`, string(b.lookup(t, "mail", "k").Result))
+}
+
+func TestErrors(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+
+	t.Run("OrdinaryErrorReleases", func(t *testing.T) {
+		boom := errors.New("smtp timeout")
+		_, err := pgidem.Do(b.ctx, b.coord, "mail", "retry", testTTL, nil, func(context.Context) (int, error) { return 0, boom })
+		require.Same(t, boom, err, "returned unchanged")
+		_, err = b.coord.Lookup(b.ctx, "mail", "retry")
+		require.ErrorIs(t, err, pgidem.ErrNotFound, "released")
+		v, err := pgidem.Do(b.ctx, b.coord, "mail", "retry", testTTL, nil, func(context.Context) (int, error) { return 2, nil })
+		require.NoError(t, err)
+		require.Equal(t, 2, v, "the next call runs fn")
+	})
+
+	t.Run("PermanentErrorReplays", func(t *testing.T) {
+		declined := errors.New("card declined")
+		_, err := pgidem.Do(b.ctx, b.coord, "pay", "order-9", testTTL, nil, func(context.Context) (int, error) {
+			return 0, pgidem.Permanent(declined)
+		})
+		require.ErrorIs(t, err, declined)
+		require.ErrorIs(t, err, pgidem.ErrPermanent)
+		res, err := pgidem.DoResult(b.ctx, b.coord, "pay", "order-9", testTTL, nil, func(context.Context) (int, error) {
+			t.Error("fn ran after a permanent failure")
+			return 1, nil
+		})
+		require.True(t, res.Replayed)
+		require.ErrorIs(t, err, pgidem.ErrPermanent)
+		var sfe *pgidem.StoredFailureError
+		require.ErrorAs(t, err, &sfe)
+		require.Equal(t, "card declined", sfe.Message)
+		require.Equal(t, pgidem.StatusFailed, b.lookup(t, "pay", "order-9").Status)
+		require.Nil(t, pgidem.Permanent(nil))
+	})
+
+	t.Run("PanicReleases", func(t *testing.T) {
+		require.PanicsWithValue(t, "kaboom", func() {
+			_, _ = pgidem.Do(b.ctx, b.coord, "mail", "panic", testTTL, nil, func(context.Context) (int, error) { panic("kaboom") })
+		})
+		_, err := b.coord.Lookup(b.ctx, "mail", "panic")
+		require.ErrorIs(t, err, pgidem.ErrNotFound)
+	})
+
+	t.Run("CancelledCallerStillFinishes", func(t *testing.T) {
+		ctx, cancel := context.WithCancel(b.ctx)
+		v, err := pgidem.Do(ctx, b.coord, "mail", "cancel", testTTL, nil, func(ctx context.Context) (string, error) {
+			cancel()
+			<-ctx.Done()
+			return "sent-anyway", nil
+		})
+		require.NoError(t, err)
+		require.Equal(t, "sent-anyway", v)
+		rec := b.lookup(t, "mail", "cancel")
+		require.Equal(t, pgidem.StatusCompleted, rec.Status)
+	})
+
+	t.Run("CancelledBeforeReserve", func(t *testing.T) {
+		ctx, cancel := context.WithCancel(b.ctx)
+		cancel()
+		_, err := pgidem.Do(ctx, b.coord, "mail", "never", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+		require.ErrorIs(t, err, context.Canceled)
+		_, err = b.coord.Lookup(b.ctx, "mail", "never")
+		require.ErrorIs(t, err, pgidem.ErrNotFound)
+	})
+}
+
+func TestSweep(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, result, lease_expires_at, expires_at)
+		SELECT 'sweep', 'expired-' || i, 'completed', gen_random_uuid(), 'null'::jsonb, NULL::timestamptz, now() - interval '1 minute'
+		FROM generate_series(1, 25) i
+		UNION ALL
+		SELECT 'sweep', 'live-' || i, 'completed', gen_random_uuid(), 'null', NULL, now() + interval '1 hour'
+		FROM generate_series(1, 5) i
+		UNION ALL
+		SELECT 'sweep', 'held', 'in_progress', gen_random_uuid(), NULL::jsonb, now() + interval '1 minute', now() - interval '1 minute'`)
+	require.NoError(t, err)
+
+	var swept atomic.Int64
+	coord := b.newCoord(t, &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		if e.Kind == pgidem.EventSwept {
+			swept.Add(e.Count)
+		}
+	})})
+	res, err := coord.Sweep(b.ctx, &pgidem.SweepOpts{BatchSize: 10, MaxBatches: 2})
+	require.NoError(t, err)
+	require.EqualValues(t, 20, res.Records, "bounded by MaxBatches")
+	res, err = coord.Sweep(b.ctx, &pgidem.SweepOpts{BatchSize: 10})
+	require.NoError(t, err)
+	require.EqualValues(t, 5, res.Records)
+	require.EqualValues(t, 25, swept.Load())
+	require.Equal(t, 6, b.count(t), "live records and the held reservation stay")
 }

@@ -1,0 +1,134 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+)
+
+// connectTimeoutDefault bounds connecting when the connection string sets no
+// connect_timeout, so that an unreachable address fails instead of hanging.
+const connectTimeoutDefault = 10 * time.Second
+
+// applicationName is reported to Postgres (pg_stat_activity) unless the connection string
+// sets application_name.
+const applicationName = "pgidem-cli"
+
+// source says where the connection string came from, for error messages.
+func (a *app) connString() (connString, source string) {
+	switch {
+	case a.databaseURL != "":
+		return a.databaseURL, "--database-url"
+	case a.getenv("DATABASE_URL") != "":
+		return a.getenv("DATABASE_URL"), "DATABASE_URL"
+	default:
+		return "", "libpq PG* variables"
+	}
+}
+
+// poolConfig parses the connection string into a pool configuration with the CLI's
+// defaults: a connect timeout, an application name, and search_path set to --schema.
+func (a *app) poolConfig() (*pgxpool.Config, string, error) {
+	connString, source := a.connString()
+	cfg, err := pgxpool.ParseConfig(connString)
+	if err != nil {
+		// pgconn masks passwords in its parse errors.
+		return nil, source, fmt.Errorf("pgidem: invalid connection string from %s: %w", source, err)
+	}
+	if cfg.ConnConfig.ConnectTimeout == 0 {
+		cfg.ConnConfig.ConnectTimeout = connectTimeoutDefault
+	}
+	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
+		cfg.ConnConfig.RuntimeParams["application_name"] = applicationName
+	}
+	if a.schema != "" {
+		cfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{a.schema}.Sanitize()
+	}
+	cfg.MaxConns = 2
+	return cfg, source, nil
+}
+
+// connectPool opens a pool and checks that the server answers.
+func (a *app) connectPool(ctx context.Context) (*pgxpool.Pool, error) {
+	cfg, source, err := a.poolConfig()
+	if err != nil {
+		return nil, err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, connectError(cfg.ConnConfig, source, err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, connectError(cfg.ConnConfig, source, err)
+	}
+	return pool, nil
+}
+
+// connectDB opens a database/sql handle for the migrations package (search_path set to
+// --schema, as migrations.Opts.Schema requires) and checks that the server answers.
+func (a *app) connectDB(ctx context.Context) (*sql.DB, error) {
+	cfg, source, err := a.poolConfig()
+	if err != nil {
+		return nil, err
+	}
+	db := stdlib.OpenDB(*cfg.ConnConfig)
+	db.SetMaxOpenConns(2)
+	if err := db.PingContext(ctx); err != nil {
+		db.Close()
+		return nil, connectError(cfg.ConnConfig, source, err)
+	}
+	return db, nil
+}
+
+// connectError says which address was tried, for whom and from which setting, and why it
+// failed. It never includes the password.
+func connectError(cfg *pgx.ConnConfig, source string, err error) error {
+	cause := err
+	var ce *pgconn.ConnectError
+	if errors.As(err, &ce) && ce.Unwrap() != nil {
+		cause = ce.Unwrap()
+	}
+	// One attempt per host and TLS mode: the same failure is often reported twice.
+	var parts []string
+	for _, line := range strings.Split(cause.Error(), "\n") {
+		if line = strings.TrimSpace(line); line != "" && !slices.Contains(parts, line) {
+			parts = append(parts, line)
+		}
+	}
+	msg := strings.Join(parts, "; ")
+	if cfg.Password != "" {
+		msg = strings.ReplaceAll(msg, cfg.Password, "xxxxx")
+	}
+	return fmt.Errorf("pgidem: cannot connect to Postgres at %s (database %q, user %q, from %s): %s",
+		describeAddress(&cfg.Config), cfg.Database, cfg.User, source, msg)
+}
+
+// describeAddress lists the host(s) a connection attempt tries, first to last.
+func describeAddress(cfg *pgconn.Config) string {
+	addrs := []string{hostPort(cfg.Host, cfg.Port)}
+	for _, fb := range cfg.Fallbacks {
+		if a := hostPort(fb.Host, fb.Port); a != addrs[len(addrs)-1] {
+			addrs = append(addrs, a)
+		}
+	}
+	return strings.Join(addrs, ", ")
+}
+
+func hostPort(host string, port uint16) string {
+	if strings.HasPrefix(host, "/") {
+		return fmt.Sprintf("unix socket %s/.s.PGSQL.%d", host, port)
+	}
+	return net.JoinHostPort(host, strconv.Itoa(int(port)))
+}

@@ -1,0 +1,51 @@
+// Command pgidem is the operator's tool for pgidem: it runs pgidem's migrations, inspects and
+// forgets idempotency records, sweeps expired rows and prints per-namespace statistics.
+//
+// Install it with
+//
+//	go install github.com/pgidem/pgidem/cmd/pgidem@latest
+//
+// # Commands
+//
+//	pgidem migrate up|down|status|version   pgidem's schema (own version table and lock)
+//	pgidem records list                     records, filtered by namespace, status, attempts, expiry
+//	pgidem records show NAMESPACE KEY       one record in full
+//	pgidem records forget NAMESPACE KEY     delete a record so its effect can run again
+//	pgidem sweep                            delete expired records (for cron, without River)
+//	pgidem stats                            per-namespace counts, stuck and taken-over records, size
+//
+// # Connection
+//
+// The database comes from --database-url, else the DATABASE_URL environment variable, else
+// libpq's PG* variables (PGHOST, PGPORT, PGUSER, PGDATABASE, PGPASSWORD, PGSERVICE, …) with
+// libpq's defaults. Both URLs (postgres://user@host:5432/db) and keyword/value strings
+// (host=… dbname=…) are accepted. Without a connect_timeout in the connection string the
+// CLI gives up connecting after [connectTimeoutDefault]. --schema names the schema holding
+// pgidem's tables; by default they are found through the connection's search_path.
+//
+// # Output and exit codes
+//
+// Results go to standard output as aligned tables, or as JSON with --json. Errors go to
+// standard error as one line starting with "pgidem: ". The exit code is 0 on success, 1
+// when the command failed (including an unreachable or unparsable database address, a
+// missing record, or a refused forget), and 2 for a usage error: an unknown command or
+// flag, a malformed flag value, or wrong arguments.
+package main
+
+import (
+	"context"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], &env{
+		stdout: os.Stdout,
+		stderr: os.Stderr,
+		getenv: os.Getenv,
+	})
+	stop()
+	os.Exit(code)
+}

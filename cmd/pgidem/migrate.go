@@ -1,0 +1,243 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/pressly/goose/v3"
+	"github.com/spf13/cobra"
+
+	"github.com/pgidem/pgidem/migrations"
+)
+
+func (a *app) migrateCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "migrate",
+		Short: "Apply, roll back or report pgidem's migrations",
+		Long: `Runs pgidem's embedded goose migrations under pgidem's own version table
+(` + migrations.VersionTable + `) and advisory lock, so they never mix with the application's
+own goose history and concurrent deploys apply each migration once. With --schema the
+tables live in that schema (created if missing).`,
+		Args: cobra.NoArgs,
+		RunE: group,
+	}
+	cmd.AddCommand(a.migrateUpCommand(), a.migrateDownCommand(), a.migrateStatusCommand(), a.migrateVersionCommand())
+	return cmd
+}
+
+// migrationJSON is one migration in --json output.
+type migrationJSON struct {
+	Version    int64   `json:"version"`
+	Source     string  `json:"source"`
+	DurationMS float64 `json:"duration_ms"`
+}
+
+// migrateResultJSON is the --json output of migrate up and migrate down.
+type migrateResultJSON struct {
+	Applied    []migrationJSON `json:"applied"`
+	RolledBack []migrationJSON `json:"rolled_back"`
+	Version    int64           `json:"version"`
+}
+
+// withProvider connects and runs fn with a goose provider for pgidem's migrations.
+func (a *app) withProvider(ctx context.Context, fn func(*goose.Provider) error) error {
+	db, err := a.connectDB(ctx)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	return a.withProviderDB(ctx, db, fn)
+}
+
+func (a *app) withProviderDB(ctx context.Context, db *sql.DB, fn func(*goose.Provider) error) error {
+	provider, err := migrations.NewProvider(ctx, db, &migrations.Opts{Schema: a.schema})
+	if err != nil {
+		return err
+	}
+	return fn(provider)
+}
+
+func (a *app) migrateUpCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:     "up",
+		Short:   "Apply every pending pgidem migration",
+		Example: "  pgidem migrate up --database-url postgres://app@db:5432/app",
+		Args:    cobra.NoArgs,
+		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			return a.withProvider(ctx, func(p *goose.Provider) error {
+				results, err := p.Up(ctx)
+				out := migrateResultJSON{Applied: resultsJSON(results), RolledBack: []migrationJSON{}}
+				if err != nil {
+					a.printMigrations("applied", results)
+					return fmt.Errorf("pgidem: migrate up: %w", err)
+				}
+				if out.Version, err = p.GetDBVersion(ctx); err != nil {
+					return fmt.Errorf("pgidem: migrate up: read version: %w", err)
+				}
+				if a.json {
+					return printJSON(a.stdout, out)
+				}
+				a.printMigrations("applied", results)
+				if len(results) == 0 {
+					fmt.Fprintf(a.stdout, "pgidem schema is up to date at version %d\n", out.Version)
+				} else {
+					fmt.Fprintf(a.stdout, "pgidem schema is now at version %d\n", out.Version)
+				}
+				return nil
+			})
+		}),
+	}
+}
+
+func (a *app) migrateDownCommand() *cobra.Command {
+	var to int64
+	cmd := &cobra.Command{
+		Use:   "down",
+		Short: "Roll back the most recent pgidem migration (or down to --to VERSION)",
+		Long: `Rolls back the most recently applied pgidem migration, like goose's down. With --to
+VERSION it rolls back every migration above VERSION; --to 0 removes every pgidem object
+(records included) and leaves only the empty version table.`,
+		Example: "  pgidem migrate down\n  pgidem migrate down --to 0",
+		Args:    cobra.NoArgs,
+		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			if cmd.Flags().Changed("to") && to < 0 {
+				return usagef("--to must be a version >= 0, got %d", to)
+			}
+			return a.withProvider(ctx, func(p *goose.Provider) error {
+				var results []*goose.MigrationResult
+				var err error
+				if cmd.Flags().Changed("to") {
+					results, err = p.DownTo(ctx, to)
+				} else {
+					var res *goose.MigrationResult
+					res, err = p.Down(ctx)
+					if res != nil {
+						results = append(results, res)
+					}
+					if errors.Is(err, goose.ErrNoNextVersion) {
+						err = nil
+					}
+				}
+				if err != nil {
+					a.printMigrations("rolled back", results)
+					return fmt.Errorf("pgidem: migrate down: %w", err)
+				}
+				out := migrateResultJSON{Applied: []migrationJSON{}, RolledBack: resultsJSON(results)}
+				if out.Version, err = p.GetDBVersion(ctx); err != nil {
+					return fmt.Errorf("pgidem: migrate down: read version: %w", err)
+				}
+				if a.json {
+					return printJSON(a.stdout, out)
+				}
+				a.printMigrations("rolled back", results)
+				if len(results) == 0 {
+					fmt.Fprintf(a.stdout, "nothing to roll back; pgidem schema is at version %d\n", out.Version)
+				} else {
+					fmt.Fprintf(a.stdout, "pgidem schema is now at version %d\n", out.Version)
+				}
+				return nil
+			})
+		}),
+	}
+	cmd.Flags().Int64Var(&to, "to", 0, "roll back every migration above this version (0: all)")
+	return cmd
+}
+
+// statusJSON is one row of migrate status --json.
+type statusJSON struct {
+	Version   int64      `json:"version"`
+	Source    string     `json:"source"`
+	State     string     `json:"state"`
+	AppliedAt *time.Time `json:"applied_at"`
+}
+
+func (a *app) migrateStatusCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:   "status",
+		Short: "List pgidem's migrations and whether each is applied",
+		Args:  cobra.NoArgs,
+		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			return a.withProvider(ctx, func(p *goose.Provider) error {
+				status, err := p.Status(ctx)
+				if err != nil {
+					return fmt.Errorf("pgidem: migrate status: %w", err)
+				}
+				rows := make([]statusJSON, 0, len(status))
+				for _, s := range status {
+					row := statusJSON{Version: s.Source.Version, Source: s.Source.Path, State: string(s.State)}
+					if !s.AppliedAt.IsZero() {
+						at := s.AppliedAt.UTC()
+						row.AppliedAt = &at
+					}
+					rows = append(rows, row)
+				}
+				if a.json {
+					return printJSON(a.stdout, rows)
+				}
+				t := newTable(a.stdout, "VERSION", "MIGRATION", "STATE", "APPLIED AT")
+				for _, r := range rows {
+					applied := "-"
+					if r.AppliedAt != nil {
+						applied = timestamp(*r.AppliedAt)
+					}
+					t.row(fmt.Sprint(r.Version), r.Source, r.State, applied)
+				}
+				return t.flush()
+			})
+		}),
+	}
+}
+
+func (a *app) migrateVersionCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:   "version",
+		Short: "Print the version of the most recently applied pgidem migration (0: none)",
+		Args:  cobra.NoArgs,
+		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			return a.withProvider(ctx, func(p *goose.Provider) error {
+				current, target, err := p.GetVersions(ctx)
+				if err != nil {
+					return fmt.Errorf("pgidem: migrate version: %w", err)
+				}
+				if a.json {
+					return printJSON(a.stdout, map[string]int64{"version": current, "latest": target})
+				}
+				if current < target {
+					fmt.Fprintf(a.stdout, "%d (latest is %d; run pgidem migrate up)\n", current, target)
+				} else {
+					fmt.Fprintf(a.stdout, "%d\n", current)
+				}
+				return nil
+			})
+		}),
+	}
+}
+
+// printMigrations lists migration results in human form (nothing with --json).
+func (a *app) printMigrations(verb string, results []*goose.MigrationResult) {
+	if a.json {
+		return
+	}
+	for _, r := range results {
+		fmt.Fprintf(a.stdout, "%s %s (%s)\n", verb, r.Source.Path, r.Duration.Round(time.Millisecond))
+	}
+}
+
+func resultsJSON(results []*goose.MigrationResult) []migrationJSON {
+	out := make([]migrationJSON, 0, len(results))
+	for _, r := range results {
+		out = append(out, migrationJSON{
+			Version:    r.Source.Version,
+			Source:     r.Source.Path,
+			DurationMS: float64(r.Duration.Microseconds()) / 1000,
+		})
+	}
+	return out
+}

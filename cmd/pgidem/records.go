@@ -1,0 +1,203 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/spf13/cobra"
+)
+
+// statusValues lists the values of pgidem_record.status, for messages.
+const statusValues = "in_progress, completed, failed"
+
+// validStatus reports whether s is a value of pgidem_record.status.
+func validStatus(s string) bool {
+	switch s {
+	case "in_progress", "completed", "failed":
+		return true
+	}
+	return false
+}
+
+// listLimitDefault is how many records records list prints unless --limit says otherwise.
+const listLimitDefault = 100
+
+func (a *app) recordsCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:     "records",
+		Aliases: []string{"record"},
+		Short:   "List, show or forget idempotency records",
+		Args:    cobra.NoArgs,
+		RunE:    group,
+	}
+	cmd.AddCommand(a.recordsListCommand(), a.recordsShowCommand(), a.recordsForgetCommand())
+	return cmd
+}
+
+// exactArgs is cobra.ExactArgs with a message naming the arguments.
+func exactArgs(names ...string) cobra.PositionalArgs {
+	return func(cmd *cobra.Command, args []string) error {
+		if len(args) != len(names) {
+			return usagef("%s takes %d arguments (%s), got %d", cmd.CommandPath(), len(names), strings.Join(names, " "), len(args))
+		}
+		return nil
+	}
+}
+
+func (a *app) recordsListCommand() *cobra.Command {
+	var p listParams
+	cmd := &cobra.Command{
+		Use:   "list",
+		Short: "List records, newest first",
+		Long: `Lists records, newest first, with times measured on the database clock.
+
+ATTEMPTS > 1 means the lease was taken over: the effect may have run more than once.
+LEASE is the time left before another caller may take an in-progress record over.
+EXPIRES is the time left before the record expires; an expired record behaves like no
+record and is deleted by the next sweep.`,
+		Example: `  pgidem records list --namespace invoices --min-attempts 2
+  pgidem records list --status in_progress --limit 20
+  pgidem records list --expired --json`,
+		Args: cobra.NoArgs,
+		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
+			if p.status != "" && !validStatus(p.status) {
+				return usagef("--status must be one of %s, got %q", statusValues, p.status)
+			}
+			if p.minAttempts < 0 {
+				return usagef("--min-attempts must be >= 0, got %d", p.minAttempts)
+			}
+			if p.limit < 0 {
+				return usagef("--limit must be >= 0 (0: no limit), got %d", p.limit)
+			}
+			return a.withStore(cmd.Context(), func(s *store) error {
+				records, err := s.list(cmd.Context(), p)
+				if err != nil {
+					return err
+				}
+				if a.json {
+					if records == nil {
+						records = []*record{}
+					}
+					return printJSON(a.stdout, records)
+				}
+				if len(records) == 0 {
+					fmt.Fprintln(a.stdout, "no records match")
+					return nil
+				}
+				t := newTable(a.stdout, "NAMESPACE", "KEY", "STATUS", "ATTEMPTS", "AGE", "LEASE", "EXPIRES")
+				for _, r := range records {
+					lease := "-"
+					if r.Status == "in_progress" && r.LeaseRemainingSeconds != nil {
+						lease = remaining(*r.LeaseRemainingSeconds)
+					}
+					t.row(r.Namespace, r.Key, r.Status, fmt.Sprint(r.Attempts), humanDuration(r.AgeSeconds),
+						lease, remaining(r.TTLRemainingSeconds))
+				}
+				if err := t.flush(); err != nil {
+					return err
+				}
+				if p.limit > 0 && len(records) == p.limit {
+					fmt.Fprintf(a.stdout, "(first %d records; raise --limit for more)\n", p.limit)
+				}
+				return nil
+			})
+		}),
+	}
+	flags := cmd.Flags()
+	flags.StringVar(&p.namespace, "namespace", "", "only records in this namespace")
+	flags.StringVar(&p.status, "status", "", "only records with this status: "+statusValues)
+	flags.IntVar(&p.minAttempts, "min-attempts", 0, "only records started at least this many times (2: taken over, the effect may have run twice)")
+	flags.BoolVar(&p.expired, "expired", false, "only records past their TTL that the sweep has not deleted yet")
+	flags.IntVar(&p.limit, "limit", listLimitDefault, "print at most this many records (0: no limit)")
+	return cmd
+}
+
+func (a *app) recordsShowCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:     "show NAMESPACE KEY",
+		Short:   "Show one record in full",
+		Example: "  pgidem records show invoices order-9.invoice",
+		Args:    exactArgs("NAMESPACE", "KEY"),
+		RunE: a.action(func(cmd *cobra.Command, args []string) error {
+			return a.withStore(cmd.Context(), func(s *store) error {
+				r, err := s.show(cmd.Context(), args[0], args[1])
+				if err != nil {
+					return err
+				}
+				if a.json {
+					return printJSON(a.stdout, r)
+				}
+				return printRecord(a.stdout, r)
+			})
+		}),
+	}
+}
+
+func (a *app) recordsForgetCommand() *cobra.Command {
+	var force bool
+	cmd := &cobra.Command{
+		Use:   "forget NAMESPACE KEY",
+		Short: "Delete a record so the effect runs again on the next delivery",
+		Long: `Deletes the record for NAMESPACE KEY, so that the next call with that key runs the
+effect again: use it to replay an effect by hand after an incident. It prints the record
+it deleted.
+
+A record in progress under a live lease is refused: its holder may be running the effect
+right now, and deleting the record would let a second caller run it in parallel. Wait for
+the lease to expire, or pass --force if you know the holder is gone. The check and the
+delete are one SQL statement, so a holder renewing its lease at the same moment is never
+deleted without --force.`,
+		Example: "  pgidem records forget invoices order-9.invoice",
+		Args:    exactArgs("NAMESPACE", "KEY"),
+		RunE: a.action(func(cmd *cobra.Command, args []string) error {
+			return a.withStore(cmd.Context(), func(s *store) error {
+				r, err := s.forget(cmd.Context(), args[0], args[1], force)
+				if err != nil {
+					return err
+				}
+				if a.json {
+					return printJSON(a.stdout, map[string]any{"deleted": r})
+				}
+				fmt.Fprintln(a.stdout, "deleted:")
+				return printRecord(a.stdout, r)
+			})
+		}),
+	}
+	cmd.Flags().BoolVar(&force, "force", false, "delete even a record in progress under a live lease")
+	return cmd
+}
+
+// printRecord prints one record as aligned "field  value" lines.
+func printRecord(w io.Writer, r *record) error {
+	t := newTable(w, "namespace", r.Namespace)
+	t.row("key", r.Key)
+	t.row("status", r.Status)
+	attempts := fmt.Sprint(r.Attempts)
+	if r.TookOver {
+		attempts += " (taken over: the effect may have run more than once)"
+	}
+	t.row("attempts", attempts)
+	t.row("owner", r.Owner)
+	fingerprint := "-"
+	if r.Fingerprint != nil {
+		fingerprint = *r.Fingerprint
+	}
+	t.row("fingerprint", fingerprint)
+	t.row("created", timestamp(r.CreatedAt)+" ("+humanDuration(r.AgeSeconds)+" ago)")
+	t.row("updated", timestamp(r.UpdatedAt))
+	completed := "-"
+	if r.CompletedAt != nil {
+		completed = timestamp(*r.CompletedAt)
+	}
+	t.row("completed", completed)
+	lease := "-"
+	if r.LeaseExpiresAt != nil && r.LeaseRemainingSeconds != nil {
+		lease = timestamp(*r.LeaseExpiresAt) + " (" + remaining(*r.LeaseRemainingSeconds) + ")"
+	}
+	t.row("lease expires", lease)
+	t.row("expires", timestamp(r.ExpiresAt)+" ("+remaining(r.TTLRemainingSeconds)+")")
+	t.row("result", r.Result.String())
+	t.row("error", r.Error.String())
+	return t.flush()
+}

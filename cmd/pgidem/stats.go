@@ -1,0 +1,56 @@
+package main
+
+import (
+	"fmt"
+
+	"github.com/spf13/cobra"
+)
+
+// statsJSON is the --json output of stats.
+type statsJSON struct {
+	Namespaces []namespaceStats `json:"namespaces"`
+	Table      *tableStats      `json:"table"`
+}
+
+func (a *app) statsCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:   "stats",
+		Short: "Per-namespace counts, stuck and taken-over records, expired rows, table size",
+		Long: `Prints, per namespace: records by status; LEASE EXPIRED, in-progress records whose
+holder stopped renewing the lease; TOOK OVER, records whose effect started more than once
+(attempts > 1); EXPIRED, records past their TTL not yet swept; and the oldest in-progress
+record with its lease. Then the record table's row count and total size (with indexes and
+TOAST).`,
+		Example: "  pgidem stats\n  pgidem stats --json",
+		Args:    cobra.NoArgs,
+		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
+			return a.withStore(cmd.Context(), func(s *store) error {
+				namespaces, total, err := s.stats(cmd.Context())
+				if err != nil {
+					return err
+				}
+				if a.json {
+					return printJSON(a.stdout, statsJSON{Namespaces: namespaces, Table: total})
+				}
+				if len(namespaces) > 0 {
+					t := newTable(a.stdout, "NAMESPACE", "IN PROGRESS", "COMPLETED", "FAILED",
+						"LEASE EXPIRED", "TOOK OVER", "EXPIRED", "OLDEST IN PROGRESS", "AGE", "LEASE")
+					for _, ns := range namespaces {
+						oldest, age, lease := "-", "-", "-"
+						if o := ns.OldestInProgress; o != nil {
+							oldest, age, lease = o.Key, humanDuration(o.AgeSeconds), remaining(o.LeaseRemainingSeconds)
+						}
+						t.row(ns.Namespace, fmt.Sprint(ns.InProgress), fmt.Sprint(ns.Completed), fmt.Sprint(ns.Failed),
+							fmt.Sprint(ns.LeaseExpired), fmt.Sprint(ns.TookOver), fmt.Sprint(ns.Expired), oldest, age, lease)
+					}
+					if err := t.flush(); err != nil {
+						return err
+					}
+					fmt.Fprintln(a.stdout)
+				}
+				fmt.Fprintf(a.stdout, "table %s: %d records, %s\n", total.Table, total.Rows, total.SizePretty)
+				return nil
+			})
+		}),
+	}
+}

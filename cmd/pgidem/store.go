@@ -1,0 +1,364 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// recordTable is the name of pgidem's record table (migrations/sql/00001).
+const recordTable = "pgidem_record"
+
+// store runs the CLI's read and forget queries. Every identifier is quoted with
+// pgx.Identifier and every user-supplied value is a query parameter.
+type store struct {
+	pool   *pgxpool.Pool
+	schema string
+	// table is the quoted, optionally schema-qualified record table.
+	table string
+	// display is the record table's name for people: schema.pgidem_record.
+	display string
+}
+
+func newStore(pool *pgxpool.Pool, schema string) *store {
+	ident := pgx.Identifier{recordTable}
+	if schema != "" {
+		ident = pgx.Identifier{schema, recordTable}
+	}
+	display := recordTable
+	if schema != "" {
+		display = schema + "." + recordTable
+	}
+	return &store{pool: pool, schema: schema, table: ident.Sanitize(), display: display}
+}
+
+// withStore connects and runs fn with a store.
+func (a *app) withStore(ctx context.Context, fn func(*store) error) error {
+	pool, err := a.connectPool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	return fn(newStore(pool, a.schema))
+}
+
+// translate turns a database error into an actionable message.
+func (s *store) translate(op string, err error) error {
+	if missing := s.missingTable(op, err); missing != nil {
+		return missing
+	}
+	return fmt.Errorf("pgidem: %s: %w", op, err)
+}
+
+// missingTable returns an actionable error when err says the record table does not exist,
+// and nil otherwise.
+func (s *store) missingTable(op string, err error) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.UndefinedTable {
+		return nil
+	}
+	where := "the connection's search_path"
+	if s.schema != "" {
+		where = fmt.Sprintf("schema %q", s.schema)
+	}
+	return fmt.Errorf("pgidem: %s: table %s not found in %s; run 'pgidem migrate up' or pass --schema", op, recordTable, where)
+}
+
+// record is one row of pgidem_record with times derived from the database clock. It is
+// also the --json form of a record.
+type record struct {
+	Namespace   string  `json:"namespace"`
+	Key         string  `json:"key"`
+	Status      string  `json:"status"`
+	Attempts    int     `json:"attempts"`
+	TookOver    bool    `json:"took_over"`
+	Owner       string  `json:"owner"`
+	Fingerprint *string `json:"fingerprint"`
+	// Result and Error are the stored JSON documents (null when absent).
+	Result         rawJSON    `json:"result"`
+	Error          rawJSON    `json:"error"`
+	CreatedAt      time.Time  `json:"created_at"`
+	UpdatedAt      time.Time  `json:"updated_at"`
+	CompletedAt    *time.Time `json:"completed_at"`
+	LeaseExpiresAt *time.Time `json:"lease_expires_at"`
+	ExpiresAt      time.Time  `json:"expires_at"`
+	// AgeSeconds, LeaseRemainingSeconds and TTLRemainingSeconds are measured against the
+	// database's now(); the remaining times are negative once passed.
+	AgeSeconds            float64  `json:"age_seconds"`
+	LeaseRemainingSeconds *float64 `json:"lease_remaining_seconds"`
+	TTLRemainingSeconds   float64  `json:"ttl_remaining_seconds"`
+	Expired               bool     `json:"expired"`
+	LeaseExpired          bool     `json:"lease_expired"`
+}
+
+// live reports whether the record is in progress under a live lease: its holder may be
+// running the effect right now.
+func (r *record) live() bool {
+	return r.Status == "in_progress" && !r.LeaseExpired && !r.Expired
+}
+
+// rawJSON is stored JSON text, emitted verbatim in --json output.
+type rawJSON struct{ text *string }
+
+// MarshalJSON implements json.Marshaler.
+func (j rawJSON) MarshalJSON() ([]byte, error) {
+	if j.text == nil {
+		return []byte("null"), nil
+	}
+	return []byte(*j.text), nil
+}
+
+// String returns the JSON text, or "-" when absent.
+func (j rawJSON) String() string {
+	if j.text == nil {
+		return "-"
+	}
+	return *j.text
+}
+
+// recordColumns selects a [record] from a relation aliased r.
+const recordColumns = `r.namespace, r.key, r.status, r.attempts, r.owner::text,
+	encode(r.fingerprint, 'hex'), r.result::text, r.error::text,
+	r.created_at, r.updated_at, r.completed_at, r.lease_expires_at, r.expires_at,
+	extract(epoch FROM now() - r.created_at)::float8,
+	extract(epoch FROM r.lease_expires_at - now())::float8,
+	extract(epoch FROM r.expires_at - now())::float8`
+
+// scanRecord scans [recordColumns], after any leading destinations.
+func scanRecord(row pgx.Row, lead ...any) (*record, error) {
+	var r record
+	dest := append(lead,
+		&r.Namespace, &r.Key, &r.Status, &r.Attempts, &r.Owner,
+		&r.Fingerprint, &r.Result.text, &r.Error.text,
+		&r.CreatedAt, &r.UpdatedAt, &r.CompletedAt, &r.LeaseExpiresAt, &r.ExpiresAt,
+		&r.AgeSeconds, &r.LeaseRemainingSeconds, &r.TTLRemainingSeconds,
+	)
+	if err := row.Scan(dest...); err != nil {
+		return nil, err
+	}
+	r.TookOver = r.Attempts > 1
+	r.Expired = r.TTLRemainingSeconds <= 0
+	r.LeaseExpired = r.Status == "in_progress" && r.LeaseRemainingSeconds != nil && *r.LeaseRemainingSeconds <= 0
+	return &r, nil
+}
+
+// listParams are the filters of records list.
+type listParams struct {
+	namespace   string
+	status      string
+	minAttempts int
+	expired     bool
+	limit       int
+}
+
+func (s *store) list(ctx context.Context, p listParams) ([]*record, error) {
+	var (
+		where []string
+		args  []any
+	)
+	add := func(cond string, arg any) {
+		args = append(args, arg)
+		where = append(where, fmt.Sprintf(cond, len(args)))
+	}
+	if p.namespace != "" {
+		add("r.namespace = $%d", p.namespace)
+	}
+	if p.status != "" {
+		add("r.status = $%d", p.status)
+	}
+	if p.minAttempts > 0 {
+		add("r.attempts >= $%d", p.minAttempts)
+	}
+	if p.expired {
+		where = append(where, "r.expires_at <= now()")
+	}
+	query := "SELECT " + recordColumns + " FROM " + s.table + " r"
+	for i, cond := range where {
+		if i == 0 {
+			query += " WHERE " + cond
+		} else {
+			query += " AND " + cond
+		}
+	}
+	query += " ORDER BY r.created_at DESC, r.namespace, r.key"
+	if p.limit > 0 {
+		args = append(args, p.limit)
+		query += fmt.Sprintf(" LIMIT $%d", len(args))
+	}
+	rows, err := s.pool.Query(ctx, query, args...)
+	if err != nil {
+		return nil, s.translate("list records", err)
+	}
+	defer rows.Close()
+	var out []*record
+	for rows.Next() {
+		r, err := scanRecord(rows)
+		if err != nil {
+			return nil, s.translate("list records", err)
+		}
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, s.translate("list records", err)
+	}
+	return out, nil
+}
+
+// errNoRecord reports a (namespace, key) with no record.
+func errNoRecord(namespace, key string) error {
+	return fmt.Errorf("pgidem: no record for namespace %q key %q", namespace, key)
+}
+
+func (s *store) show(ctx context.Context, namespace, key string) (*record, error) {
+	query := "SELECT " + recordColumns + " FROM " + s.table + " r WHERE r.namespace = $1 AND r.key = $2"
+	r, err := scanRecord(s.pool.QueryRow(ctx, query, namespace, key))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, errNoRecord(namespace, key)
+	}
+	if err != nil {
+		return nil, s.translate("show record", err)
+	}
+	return r, nil
+}
+
+// forgetSQL deletes one record in a single conditional statement: unless $3 (force) is
+// true, a record in progress under a live lease is not deleted. The DELETE re-checks its
+// condition on the newest row version (READ COMMITTED), so a holder renewing or taking the
+// record over concurrently is never deleted by mistake. When nothing is deleted, the
+// record as the statement saw it is returned instead, to explain why.
+const forgetSQL = `WITH target AS (
+	SELECT * FROM %[1]s WHERE namespace = $1 AND key = $2
+), deleted AS (
+	DELETE FROM %[1]s d
+	WHERE d.namespace = $1 AND d.key = $2
+	  AND ($3 OR d.status <> 'in_progress' OR d.lease_expires_at <= now() OR d.expires_at <= now())
+	RETURNING d.*
+)
+SELECT true, ` + recordColumns + ` FROM deleted r
+UNION ALL
+SELECT false, ` + recordColumns + ` FROM target r WHERE NOT EXISTS (SELECT 1 FROM deleted)`
+
+// forget deletes the record for (namespace, key) and returns it. It refuses a record in
+// progress under a live lease unless force is true.
+func (s *store) forget(ctx context.Context, namespace, key string, force bool) (*record, error) {
+	var deleted bool
+	r, err := scanRecord(s.pool.QueryRow(ctx, fmt.Sprintf(forgetSQL, s.table), namespace, key, force), &deleted)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("%w; nothing deleted", errNoRecord(namespace, key))
+	}
+	if err != nil {
+		return nil, s.translate("forget record", err)
+	}
+	if deleted {
+		return r, nil
+	}
+	if r.live() {
+		return nil, fmt.Errorf("pgidem: refusing to forget namespace %q key %q: it is in progress under a live lease (%s, owner %s), so its holder may be running the effect right now; wait for the lease to expire or pass --force",
+			namespace, key, "expires "+remaining(*r.LeaseRemainingSeconds), r.Owner)
+	}
+	return nil, fmt.Errorf("pgidem: namespace %q key %q changed while it was being forgotten (its holder renewed or took over the lease); nothing deleted; run the command again", namespace, key)
+}
+
+// namespaceStats is one row of stats.
+type namespaceStats struct {
+	Namespace  string `json:"namespace"`
+	InProgress int64  `json:"in_progress"`
+	Completed  int64  `json:"completed"`
+	Failed     int64  `json:"failed"`
+	// LeaseExpired counts in-progress records whose holder stopped renewing the lease.
+	LeaseExpired int64 `json:"lease_expired"`
+	// TookOver counts records with attempts > 1: the effect may have run more than once.
+	TookOver int64 `json:"took_over"`
+	// Expired counts records past their TTL that the sweep has not deleted yet.
+	Expired          int64             `json:"expired"`
+	OldestInProgress *oldestInProgress `json:"oldest_in_progress"`
+}
+
+// oldestInProgress is the longest-running in-progress record of a namespace.
+type oldestInProgress struct {
+	Key                   string    `json:"key"`
+	CreatedAt             time.Time `json:"created_at"`
+	AgeSeconds            float64   `json:"age_seconds"`
+	LeaseExpiresAt        time.Time `json:"lease_expires_at"`
+	LeaseRemainingSeconds float64   `json:"lease_remaining_seconds"`
+}
+
+// tableStats describes the record table as a whole.
+type tableStats struct {
+	Table      string `json:"table"`
+	Rows       int64  `json:"rows"`
+	SizeBytes  int64  `json:"size_bytes"`
+	SizePretty string `json:"size_pretty"`
+}
+
+const statsSQL = `WITH counts AS (
+	SELECT namespace,
+	       count(*) FILTER (WHERE status = 'in_progress'),
+	       count(*) FILTER (WHERE status = 'completed'),
+	       count(*) FILTER (WHERE status = 'failed'),
+	       count(*) FILTER (WHERE status = 'in_progress' AND lease_expires_at <= now()),
+	       count(*) FILTER (WHERE attempts > 1),
+	       count(*) FILTER (WHERE expires_at <= now())
+	FROM %[1]s
+	GROUP BY namespace
+), oldest AS (
+	SELECT DISTINCT ON (namespace) namespace, key, created_at,
+	       extract(epoch FROM now() - created_at)::float8 AS age,
+	       lease_expires_at,
+	       extract(epoch FROM lease_expires_at - now())::float8 AS lease_remaining
+	FROM %[1]s
+	WHERE status = 'in_progress'
+	ORDER BY namespace, created_at, key
+)
+SELECT c.*, o.key, o.created_at, o.age, o.lease_expires_at, o.lease_remaining
+FROM counts c LEFT JOIN oldest o USING (namespace)
+ORDER BY c.namespace`
+
+func (s *store) stats(ctx context.Context) ([]namespaceStats, *tableStats, error) {
+	rows, err := s.pool.Query(ctx, fmt.Sprintf(statsSQL, s.table))
+	if err != nil {
+		return nil, nil, s.translate("stats", err)
+	}
+	defer rows.Close()
+	out := []namespaceStats{}
+	total := &tableStats{Table: s.display}
+	for rows.Next() {
+		var (
+			ns             namespaceStats
+			key            *string
+			createdAt      *time.Time
+			age            *float64
+			leaseExpiresAt *time.Time
+			leaseRemaining *float64
+		)
+		if err := rows.Scan(&ns.Namespace, &ns.InProgress, &ns.Completed, &ns.Failed, &ns.LeaseExpired,
+			&ns.TookOver, &ns.Expired, &key, &createdAt, &age, &leaseExpiresAt, &leaseRemaining); err != nil {
+			return nil, nil, s.translate("stats", err)
+		}
+		if key != nil {
+			ns.OldestInProgress = &oldestInProgress{
+				Key: *key, CreatedAt: *createdAt, AgeSeconds: *age,
+				LeaseExpiresAt: *leaseExpiresAt, LeaseRemainingSeconds: *leaseRemaining,
+			}
+		}
+		total.Rows += ns.InProgress + ns.Completed + ns.Failed
+		out = append(out, ns)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, nil, s.translate("stats", err)
+	}
+	// The table name is a parameter here, resolved by regclass: nothing is spliced.
+	err = s.pool.QueryRow(ctx,
+		"SELECT pg_total_relation_size($1::text::regclass), pg_size_pretty(pg_total_relation_size($1::text::regclass))",
+		s.table).Scan(&total.SizeBytes, &total.SizePretty)
+	if err != nil {
+		return nil, nil, s.translate("stats: table size", err)
+	}
+	return out, total, nil
+}

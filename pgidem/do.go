@@ -211,13 +211,18 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		if err := ctx.Err(); err != nil {
 			return acq, err
 		}
+		// A plain indexed read first: replays and in-progress checks, the paths that must
+		// stay cheap, cost one read and never write.
 		owner := newOwner()
 		var r row
-		err := c.pool.QueryRow(ctx, c.sql.reserve, cl.namespace, cl.key, owner, cl.fingerprint,
-			micros(cl.lease), micros(cl.ttl)).Scan(r.scanTargets(true)...)
-		if errors.Is(err, pgx.ErrNoRows) && snapshotRetries < maxSnapshotRetries {
-			snapshotRetries++
-			continue
+		err := c.pool.QueryRow(ctx, c.sql.lookup, cl.namespace, cl.key).Scan(r.scanTargets(false)...)
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = c.pool.QueryRow(ctx, c.sql.reserve, cl.namespace, cl.key, owner, cl.fingerprint,
+				micros(cl.lease), micros(cl.ttl)).Scan(r.scanTargets(true)...)
+			if errors.Is(err, pgx.ErrNoRows) && snapshotRetries < maxSnapshotRetries {
+				snapshotRetries++
+				continue
+			}
 		}
 		if err != nil {
 			return acq, c.logStoreError(ctx, cl, storeError("reserve", err))

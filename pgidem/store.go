@@ -79,6 +79,9 @@ type storedFailure struct {
 // statements holds the protocol's SQL with the table name already quoted in.
 type statements struct {
 	reserve, takeover, heartbeat, complete, release, lookup, sweep string
+
+	dotx  dotxStatements  // DoTx (dotx.go)
+	inbox inboxStatements // the inbox (inbox.go)
 }
 
 // Columns every protocol statement returns, in scanRow's order. db_now is the database
@@ -91,6 +94,9 @@ func newStatements(schema string) statements {
 	t := qualify(schema, "pgidem_record")
 	r := strings.NewReplacer("{t}", t, "{cols}", rowColumns)
 	return statements{
+		dotx:  newDotxStatements(schema),
+		inbox: newInboxStatements(schema),
+
 		// Insert a fresh reservation, or read the existing row in the same round trip.
 		// ON CONFLICT DO NOTHING takes no lock and assigns no transaction id when the row
 		// exists, so replays and in-progress checks stay pure reads. When the conflicting

@@ -30,8 +30,9 @@ type SweepResult struct {
 	Inbox int64
 }
 
-// Sweep deletes expired records in batches until none is left (or MaxBatches is reached)
-// and returns how many it deleted. Expired rows already behave as absent, so sweeping only
+// Sweep deletes expired records, then inbox rows past their retention ([InboxOpts]), in
+// batches until none is left (or MaxBatches per table is reached) and returns how many it
+// deleted from each table. Expired rows already behave as absent, so sweeping only
 // reclaims space; in-progress records under a live lease are never deleted. Concurrent
 // sweeps (two River leaders during a handover, cron and a River job) split the rows with
 // SKIP LOCKED instead of blocking. Cancelling ctx stops between batches and returns what
@@ -44,8 +45,13 @@ func (c *Coordinator) Sweep(ctx context.Context, opts *SweepOpts) (*SweepResult,
 	res := &SweepResult{}
 	n, err := c.sweepTable(ctx, c.sql.sweep, batch, opts)
 	res.Records += n
+	if err != nil {
+		return res, err
+	}
+	n, err = c.sweepTable(ctx, c.sql.inbox.sweep, batch, opts)
+	res.Inbox += n
 	if err == nil {
-		c.config.Logger.DebugContext(ctx, "pgidem: sweep done", slog.Int64("records", res.Records))
+		c.config.Logger.DebugContext(ctx, "pgidem: sweep done", slog.Int64("records", res.Records), slog.Int64("inbox", res.Inbox))
 	}
 	return res, err
 }

@@ -1,0 +1,508 @@
+package pgidem
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// sqlStateLockNotAvailable is Postgres's SQLSTATE 55P03 (lock_not_available), raised when a
+// lock wait exceeds lock_timeout. It is pgerrcode.LockNotAvailable, defined here because
+// the package imports only the standard library and pgx.
+const sqlStateLockNotAvailable = "55P03"
+
+// Advisory lock statements of DoTx. The lock is transaction-scoped: Postgres releases it at
+// the caller's commit or rollback, after the commit has made the record visible.
+const (
+	sqlTryLock        = `SELECT pg_try_advisory_xact_lock($1)`
+	sqlLock           = `SELECT pg_advisory_xact_lock($1)`
+	sqlGetLockTimeout = `SELECT current_setting('lock_timeout')`
+	sqlSetLockTimeout = `SELECT set_config('lock_timeout', $1, true)`
+)
+
+// dotxStatements holds DoTx's SQL with the table name quoted in.
+type dotxStatements struct {
+	read, upsert string
+}
+
+// txRowColumns is rowColumns judged by statement_timestamp() instead of now(): inside the
+// caller's transaction now() is frozen at its start, so a lease or TTL that ran out since
+// then would still look alive, and a poll would never see it change.
+var txRowColumns = strings.ReplaceAll(rowColumns, "now()", "statement_timestamp()")
+
+func newDotxStatements(schema string) dotxStatements {
+	t := qualify(schema, "pgidem_record")
+	r := strings.NewReplacer("{t}", t, "{cols}", txRowColumns)
+	return dotxStatements{
+		read: r.Replace(`SELECT {cols} FROM {t} WHERE namespace = $1 AND key = $2`),
+
+		// Write the completed (or permanently failed) record in the caller's transaction.
+		// An existing row is overwritten only when it counts as absent: expired, or in
+		// progress under a lease that ran out (a Do holder that died; the row's owner token
+		// changes, so that holder's late writes are refused). A live row — a Do holder that
+		// reserved the key after DoTx read it — is left alone and nothing is returned. A
+		// unique violation is never raised, so the caller's transaction is never aborted by
+		// a duplicate; the primary key is the backstop behind the advisory lock.
+		upsert: r.Replace(`
+INSERT INTO {t} AS r (namespace, key, status, owner, attempts, fingerprint, result, error,
+	lease_expires_at, expires_at, created_at, updated_at, completed_at)
+VALUES ($1, $2, $3, $4, 1, $5, $6, $7, NULL,
+	statement_timestamp() + $8 * interval '1 microsecond',
+	statement_timestamp(), statement_timestamp(), statement_timestamp())
+ON CONFLICT (namespace, key) DO UPDATE SET
+	status = excluded.status,
+	owner = excluded.owner,
+	attempts = CASE WHEN r.expires_at <= statement_timestamp() THEN 1 ELSE r.attempts + 1 END,
+	fingerprint = CASE WHEN r.expires_at <= statement_timestamp() THEN excluded.fingerprint
+		ELSE coalesce(r.fingerprint, excluded.fingerprint) END,
+	result = excluded.result,
+	error = excluded.error,
+	lease_expires_at = NULL,
+	expires_at = excluded.expires_at,
+	created_at = CASE WHEN r.expires_at <= statement_timestamp() THEN excluded.created_at
+		ELSE r.created_at END,
+	updated_at = excluded.updated_at,
+	completed_at = excluded.completed_at
+WHERE r.expires_at <= statement_timestamp()
+	OR (r.status = 'in_progress' AND r.lease_expires_at <= statement_timestamp()
+		AND (excluded.fingerprint IS NULL OR r.fingerprint IS NULL
+			OR r.fingerprint = excluded.fingerprint))
+RETURNING {cols}`),
+	}
+}
+
+// lockKey returns the advisory lock id of (namespace, key): the FNV-1a 64-bit hash of
+// "pgidem", a zero byte, the namespace's length in bytes as a uvarint, the namespace and
+// the key. The length prefix keeps ("a", "bc") and ("ab", "c") apart. Applications that
+// take their own pg_advisory_xact_lock(bigint) locks share this id space; a collision only
+// serialises two unrelated transactions, it never breaks correctness.
+func lockKey(namespace, key string) int64 {
+	h := fnv.New64a()
+	var n [binary.MaxVarintLen64]byte
+	h.Write([]byte("pgidem\x00"))
+	h.Write(n[:binary.PutUvarint(n[:], uint64(len(namespace)))])
+	h.Write([]byte(namespace))
+	h.Write([]byte(key))
+	return int64(h.Sum64())
+}
+
+// DoTx runs fn at most once per (namespace, key) within ttl, in the caller's transaction,
+// and records the outcome in that same transaction. It is [DoTxResult] without the detail;
+// see there for the protocol, errors and cancellation.
+func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
+	res, err := DoTxResult(ctx, c, tx, namespace, key, ttl, opts, fn)
+	return res.Value, err
+}
+
+// DoTxResult makes a database effect exactly-once: fn's writes and the key's completed
+// record commit together in the caller's transaction tx, so the caller's commit makes both
+// visible at once and a rollback leaves neither. Use it when the effect is rows in the same
+// database as pgidem's tables; use [Do] for effects outside it (mail, HTTP, payments).
+//
+// Keys, namespaces, ttl and [DoOpts] follow [DoResult]: an invalid namespace or key returns
+// an [*InvalidKeyError], a ttl below [Config.MinTTL] an [*InvalidTTLError]; fn is not run
+// and tx is not touched. DoOpts.Lease is unused (there is no lease: the transaction holds
+// the key) but is still validated.
+//
+// # Protocol
+//
+// DoTx serialises transactions on the same key with a transaction-scoped advisory lock
+// (pg_advisory_xact_lock) on a 64-bit hash of (namespace, key), held until tx ends. When
+// the lock is free it is taken and the record read in one round trip. When another
+// transaction holds it, the in-flight policy decides: [InFlightRaise] returns an
+// [*InProgressError] at once; [InFlightWait] waits for the lock under SET LOCAL
+// lock_timeout set to the wait timeout ([DoOpts.WaitTimeout], else [Config.WaitTimeout]),
+// inside a savepoint, and returns an [*InProgressError] with Waited set when the timeout
+// passes. Either way tx stays usable: the savepoint is rolled back and lock_timeout is
+// restored to the caller's value. The RetryAfter hint of a lock conflict is
+// [Config.PollIntervalMax] (there is no lease to measure).
+//
+// Holding the lock, DoTx reads the record:
+//   - completed (or a stored permanent failure) and not expired: the fingerprint is
+//     checked ([ErrFingerprintMismatch]) and the stored value is replayed without running
+//     fn; Result.Replayed is set.
+//   - absent or expired: fn runs with tx's savepoint (see below) and a context carrying the
+//     key ([KeyFromContext]); then the completed record, with fn's value as JSON, is
+//     upserted in tx. An expired record behaves exactly like no record.
+//
+// fn runs inside a savepoint of tx and receives it as its tx; fn must not commit or roll it
+// back. If fn returns an error, panics, or its value cannot be stored as JSON
+// ([ErrResultNotStorable]), DoTx rolls back to the savepoint — fn's writes are undone,
+// nothing is recorded, tx stays usable — and returns the error (a panic continues). A
+// [Permanent] error is stored as a failed record in tx and replayed by later calls, but
+// fn's writes are still undone. On success the savepoint is released; nothing is visible
+// to others until the caller commits.
+//
+// # Meeting Do on one key
+//
+// [Do] does not take the advisory lock; the record row is what the two share.
+//   - DoTx finds a record Do completed: it replays it (same JSON encoding, so use the same
+//     T).
+//   - DoTx finds Do's record in progress under a live lease: the in-flight policy applies —
+//     Raise returns an [*InProgressError] with the lease's retry-after; Wait polls the
+//     record (a fresh read per poll under READ COMMITTED) until Do completes (replay),
+//     releases it (fn runs) or its lease runs out, bounded by the wait timeout.
+//   - Do's holder died and its lease ran out: DoTx takes the record over, runs fn and writes
+//     the completed record with attempts incremented (the foreign effect may have happened
+//     too); Result.TookOver is set and the takeover is logged. The dead holder's owner
+//     token no longer matches, so its late writes are refused ([ErrLeaseLost]).
+//   - Do reserves the key while DoTx's fn runs: DoTx's upsert leaves Do's live row alone,
+//     DoTx rolls back to its savepoint (fn's writes are undone) and decides again as above,
+//     so the effect still happens once — Do's.
+//   - Do arrives after DoTx wrote the record but before the caller committed: Do's insert
+//     waits for tx; if tx commits, Do replays DoTx's value, if it rolls back, Do runs. Do
+//     holds a pool connection while it waits.
+//
+// Prefer one mode per key: DoTx for rows, Do for foreign effects.
+//
+// # Isolation, cancellation, errors
+//
+// Use READ COMMITTED, Postgres's default: each of DoTx's statements then sees what
+// committed before it, so a transaction that waited for the lock replays its predecessor.
+// Under REPEATABLE READ or SERIALIZABLE the snapshot may predate the predecessor's commit;
+// the upsert then fails with a serialization failure (SQLSTATE 40001, returned as a
+// [*StoreError]) instead of a duplicate effect, and the caller retries its transaction as
+// usual — the retry replays.
+//
+// Cancelling ctx makes DoTx return ctx's error; like any pgx query cancelled mid-flight,
+// pgx may close the connection, which ends tx (nothing commits). Database errors are
+// returned as a [*StoreError]; after one, roll tx back. [Config.FailOpen] does not apply:
+// the effect lives in the same database. DoTx is safe for concurrent use on different
+// transactions; a pgx.Tx itself is not safe for concurrent use.
+func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (Result[T], error) {
+	cl, err := c.newCall(namespace, key, ttl, opts)
+	if err != nil {
+		c.emit(ctx, EventInvalidKey, namespace, 1)
+		return Result[T]{}, err
+	}
+	if tx == nil {
+		return Result[T]{}, errors.New("pgidem: DoTx: tx is nil")
+	}
+	return doTx(ctx, c, tx, cl, fn)
+}
+
+// DoInTx is [DoTx] in a transaction of its own: it begins a transaction on the
+// coordinator's pool (READ COMMITTED), runs DoTx in it and commits. When DoTx returns an
+// error (or fn panics) the transaction is rolled back. A replay commits nothing new. A
+// failed commit returns a [*StoreError] for op "commit"; fn's writes are then not
+// committed, although a connection lost during COMMIT leaves that uncertain — the next
+// call replays if it did commit. Safe for concurrent use.
+func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
+	var zero T
+	cl, err := c.newCall(namespace, key, ttl, opts)
+	if err != nil {
+		c.emit(ctx, EventInvalidKey, namespace, 1)
+		return zero, err
+	}
+	if err := ctx.Err(); err != nil {
+		return zero, err
+	}
+	tx, err := c.pool.Begin(ctx)
+	if err != nil {
+		return zero, c.logStoreError(ctx, cl, storeError("begin", err))
+	}
+	committed := false
+	defer func() {
+		if !committed { // error or panic: nothing of this call may commit
+			c.rollbackDetached(ctx, tx)
+		}
+	}()
+	res, err := doTx(ctx, c, tx, cl, fn)
+	if err != nil {
+		return res.Value, err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		committed = true // Commit ended the transaction either way
+		return zero, c.logStoreError(ctx, cl, storeError("commit", err))
+	}
+	committed = true
+	return res.Value, nil
+}
+
+// rollbackDetached rolls tx (a transaction or a savepoint) back on a context detached from
+// ctx, so a cancelled caller still releases what it holds.
+func (c *Coordinator) rollbackDetached(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
+	defer cancel()
+	_ = tx.Rollback(ctx) // the error, if any, is already the caller's; the conn is closed on failure
+}
+
+// doTx is DoTxResult after validation.
+func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (Result[T], error) {
+	var res Result[T]
+	if err := ctx.Err(); err != nil {
+		return res, err
+	}
+	start := time.Now()
+	r, found, err := c.txLockAndRead(ctx, tx, cl, start, &res.Waited)
+	if err != nil {
+		return res, err
+	}
+	backoff := c.config.PollIntervalMin
+	races := 0
+	for {
+		if found && mismatch(cl.fingerprint, &r) {
+			c.config.Logger.WarnContext(ctx, "pgidem: fingerprint mismatch",
+				slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("status", string(r.status)))
+			c.emit(ctx, EventFingerprintMismatch, cl.namespace, 1)
+			return res, &FingerprintMismatchError{Namespace: cl.namespace, Key: cl.key, Status: r.status}
+		}
+
+		switch {
+		case found && !r.available() && r.status != StatusInProgress:
+			res.Replayed, res.Attempts = true, r.attempts
+			c.emit(ctx, EventReplayed, cl.namespace, 1)
+			return res, decodeReplay(cl, r, &res.Value)
+
+		case found && !r.available():
+			// In progress under a live lease: a Do holder is running the effect.
+			retryAfter := max(r.leaseExpires.Time.Sub(r.dbNow), time.Millisecond)
+			inProgress := &InProgressError{Namespace: cl.namespace, Key: cl.key, RetryAfter: retryAfter,
+				Attempts: r.attempts, LeaseExpiresAt: r.leaseExpires.Time, Waited: res.Waited}
+			if cl.policy == InFlightRaise {
+				c.emit(ctx, EventInProgress, cl.namespace, 1)
+				return res, inProgress
+			}
+			if !res.Waited {
+				res.Waited = true
+				inProgress.Waited = true
+				c.emit(ctx, EventWaited, cl.namespace, 1)
+			}
+			remaining := cl.waitTimeout - time.Since(start)
+			if remaining <= 0 {
+				c.emit(ctx, EventInProgress, cl.namespace, 1)
+				return res, inProgress
+			}
+			sleep := min(jitter(backoff), retryAfter+time.Millisecond, remaining)
+			backoff = min(backoff*2, c.config.PollIntervalMax)
+			timer := time.NewTimer(sleep)
+			select {
+			case <-ctx.Done():
+				timer.Stop()
+				return res, ctx.Err()
+			case <-timer.C:
+			}
+
+		default:
+			// Absent, expired, or a dead Do holder's lease ran out: run fn here.
+			tookOver := found && !r.expired
+			out, won, err := runTx(ctx, c, tx, cl, fn)
+			if err != nil {
+				return res, err
+			}
+			if won {
+				res.Value, res.Attempts, res.TookOver = out.value, out.row.attempts, tookOver
+				if tookOver {
+					c.config.Logger.WarnContext(ctx, "pgidem: took over expired lease in a transaction; the effect may run more than once",
+						slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", out.row.attempts))
+					c.emit(ctx, EventTakenOver, cl.namespace, 1)
+				}
+				return res, nil
+			}
+			// A Do holder reserved the key after the read; fn's writes were rolled back.
+			c.config.Logger.InfoContext(ctx, "pgidem: key reserved by Do while the transaction ran; rolled back to the savepoint",
+				slog.String("namespace", cl.namespace), slog.String("key", cl.key))
+			if races++; races > maxSnapshotRetries {
+				return res, c.logStoreError(ctx, cl, &StoreError{Op: "complete",
+					Err: errors.New("the record kept changing under the transaction")})
+			}
+		}
+
+		r, found, err = c.txRead(ctx, tx, cl)
+		if err != nil {
+			return res, err
+		}
+	}
+}
+
+// txRead reads the key's record in tx. found is false when there is no row.
+func (c *Coordinator) txRead(ctx context.Context, tx pgx.Tx, cl *call) (r row, found bool, err error) {
+	err = tx.QueryRow(ctx, c.sql.dotx.read, cl.namespace, cl.key).Scan(r.scanTargets(false)...)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return r, false, nil
+	}
+	if err != nil {
+		return r, false, c.logStoreError(ctx, cl, storeError("lookup", err))
+	}
+	return r, true, nil
+}
+
+// txLockAndRead takes the key's advisory lock in tx following the in-flight policy, then
+// reads the record. The uncontended case is one round trip: the try-lock and the read are
+// pipelined, and the server runs the read (taking its snapshot) only after the lock
+// statement finished, so the read sees every commit of the lock's previous holder.
+func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, start time.Time, waited *bool) (row, bool, error) {
+	id := lockKey(cl.namespace, cl.key)
+	var r row
+	batch := &pgx.Batch{}
+	batch.Queue(sqlTryLock, id)
+	batch.Queue(c.sql.dotx.read, cl.namespace, cl.key)
+	br := tx.SendBatch(ctx, batch)
+	var locked, found bool
+	err := br.QueryRow().Scan(&locked)
+	if err == nil && locked {
+		err = br.QueryRow().Scan(r.scanTargets(false)...)
+		found = err == nil
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
+	}
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	if err != nil {
+		return r, false, c.logStoreError(ctx, cl, storeError("lock", err))
+	}
+	if locked {
+		return r, found, nil
+	}
+
+	inProgress := &InProgressError{Namespace: cl.namespace, Key: cl.key, RetryAfter: c.config.PollIntervalMax}
+	if cl.policy == InFlightRaise {
+		c.emit(ctx, EventInProgress, cl.namespace, 1)
+		return r, false, inProgress
+	}
+	*waited = true
+	inProgress.Waited = true
+	c.emit(ctx, EventWaited, cl.namespace, 1)
+	remaining := cl.waitTimeout - time.Since(start)
+	if remaining <= 0 {
+		c.emit(ctx, EventInProgress, cl.namespace, 1)
+		return r, false, inProgress
+	}
+	if err := c.txWaitLock(ctx, tx, cl, id, remaining); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == sqlStateLockNotAvailable {
+			c.emit(ctx, EventInProgress, cl.namespace, 1)
+			return r, false, inProgress
+		}
+		return r, false, c.logStoreError(ctx, cl, storeError("lock", err))
+	}
+	return c.txRead(ctx, tx, cl)
+}
+
+// txWaitLock blocks on the advisory lock for at most timeout, inside a savepoint so that a
+// lock timeout (which raises an error) does not abort the caller's transaction. It sets
+// lock_timeout with SET LOCAL semantics and restores the caller's value afterwards; rolling
+// back to the savepoint restores it too.
+func (c *Coordinator) txWaitLock(ctx context.Context, tx pgx.Tx, cl *call, id int64, timeout time.Duration) error {
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	// Postgres counts lock_timeout in whole milliseconds and treats 0 as "no timeout".
+	ms := max((timeout+time.Millisecond-1)/time.Millisecond, 1)
+	batch := &pgx.Batch{}
+	batch.Queue(sqlGetLockTimeout)
+	batch.Queue(sqlSetLockTimeout, fmt.Sprintf("%dms", ms))
+	batch.Queue(sqlLock, id)
+	br := sp.SendBatch(ctx, batch)
+	var previous string
+	err = br.QueryRow().Scan(&previous)
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	if err != nil {
+		c.rollbackDetached(ctx, sp)
+		if ctxErr := ctx.Err(); ctxErr != nil {
+			return ctxErr
+		}
+		return err
+	}
+	if _, err := sp.Exec(ctx, sqlSetLockTimeout, previous); err != nil {
+		c.rollbackDetached(ctx, sp)
+		return err
+	}
+	// Releasing the savepoint keeps the lock: it passes to the enclosing transaction.
+	return sp.Commit(ctx)
+}
+
+// txOutcome is what runTx produced when its record write won.
+type txOutcome[T any] struct {
+	value T
+	row   row
+}
+
+// runTx runs fn inside a savepoint of tx and upserts the completed record there. won is
+// false when a live record appeared meanwhile (a Do holder): the savepoint is then rolled
+// back and the caller decides again.
+func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (out txOutcome[T], won bool, err error) {
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return out, false, c.logStoreError(ctx, cl, storeError("savepoint", err))
+	}
+	released := false
+	defer func() {
+		if !released { // error, lost race or panic: undo fn's writes
+			c.rollbackDetached(ctx, sp)
+		}
+	}()
+
+	c.emit(ctx, EventExecuted, cl.namespace, 1)
+	value, fnErr := fn(withKey(ctx, cl.namespace, cl.key), sp)
+	if fnErr != nil {
+		var permanent *PermanentError
+		if !errors.As(fnErr, &permanent) {
+			return out, true, fnErr
+		}
+		// Undo fn's writes, then store the failure in tx for replay.
+		if err := sp.Rollback(ctx); err != nil {
+			return out, true, c.logStoreError(ctx, cl, storeError("release", err))
+		}
+		released = true
+		failure, _ := json.Marshal(storedFailure{Message: permanent.Error()})
+		if _, _, err := c.txUpsert(ctx, tx, cl, StatusFailed, nil, failure); err != nil {
+			return out, true, err
+		}
+		return out, true, fnErr
+	}
+
+	result, encErr := json.Marshal(value)
+	if encErr == nil && bytes.Contains(result, []byte(`\u0000`)) {
+		encErr = errors.New("a string contains a NUL character, which jsonb cannot store")
+	}
+	if encErr != nil {
+		// fn's writes are undone with the savepoint, so the effect did not happen.
+		return out, true, fmt.Errorf("%w: %v (the transaction's effect was rolled back)", ErrResultNotStorable, encErr)
+	}
+	r, won, err := c.txUpsert(ctx, sp, cl, StatusCompleted, result, nil)
+	if err != nil || !won {
+		return out, won, err
+	}
+	if err := sp.Commit(ctx); err != nil {
+		return out, true, c.logStoreError(ctx, cl, storeError("complete", err))
+	}
+	released = true
+	return txOutcome[T]{value: value, row: r}, true, nil
+}
+
+// txUpsert writes the finished record in db (tx or its savepoint). won is false when a live
+// record blocked the write.
+func (c *Coordinator) txUpsert(ctx context.Context, db executor, cl *call, status Status, result, failure []byte) (row, bool, error) {
+	var r row
+	err := db.QueryRow(ctx, c.sql.dotx.upsert, cl.namespace, cl.key, status, newOwner(), cl.fingerprint,
+		result, failure, micros(cl.ttl)).Scan(r.scanTargets(false)...)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return r, false, nil
+	}
+	if err != nil {
+		return r, false, c.logStoreError(ctx, cl, storeError("complete", err))
+	}
+	return r, true, nil
+}

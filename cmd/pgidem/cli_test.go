@@ -1,0 +1,562 @@
+package main_test
+
+import (
+	"context"
+	"encoding/json"
+	"net/url"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgidem/pgidem/internal/testdb"
+	"github.com/pgidem/pgidem/migrations"
+	"github.com/pgidem/pgidem/pgidem"
+)
+
+// latestVersion returns the highest embedded migration version and its file name.
+func latestVersion(t *testing.T) (int64, string) {
+	t.Helper()
+	db, err := migrations.OpenDB("postgres://unused@127.0.0.1:1/unused", "")
+	require.NoError(t, err)
+	defer db.Close()
+	provider, err := migrations.NewProvider(context.Background(), db, nil)
+	require.NoError(t, err)
+	sources := provider.ListSources()
+	last := sources[len(sources)-1]
+	return last.Version, last.Path
+}
+
+func TestMigrate(t *testing.T) {
+	t.Parallel()
+	db := testdb.NewUnmigrated(t)
+	latest, latestFile := latestVersion(t)
+
+	t.Run("BeforeUp", func(t *testing.T) {
+		require.Equal(t, "0 (latest is "+strconv.FormatInt(latest, 10)+"; run pgidem migrate up)\n",
+			requireOK(t, cli(t, db.URL, "migrate", "version")))
+		out := requireOK(t, cli(t, db.URL, "migrate", "status"))
+		require.Contains(t, out, "VERSION")
+		require.Contains(t, out, "00001_create_pgidem_record.sql")
+		require.Contains(t, out, "pending")
+		require.NotContains(t, out, "applied  ")
+	})
+
+	t.Run("Up", func(t *testing.T) {
+		out := requireOK(t, cli(t, db.URL, "migrate", "up"))
+		require.Contains(t, out, "applied 00001_create_pgidem_record.sql")
+		require.Contains(t, out, "applied 00003_create_pgidem_record_overview.sql")
+		require.Contains(t, out, "applied "+latestFile)
+		require.Contains(t, out, "pgidem schema is now at version "+strconv.FormatInt(latest, 10))
+
+		out = requireOK(t, cli(t, db.URL, "migrate", "up"))
+		require.Equal(t, "pgidem schema is up to date at version "+strconv.FormatInt(latest, 10)+"\n", out)
+		require.Equal(t, strconv.FormatInt(latest, 10)+"\n", requireOK(t, cli(t, db.URL, "migrate", "version")))
+	})
+
+	t.Run("StatusJSON", func(t *testing.T) {
+		var status []struct {
+			Version   int64      `json:"version"`
+			Source    string     `json:"source"`
+			State     string     `json:"state"`
+			AppliedAt *time.Time `json:"applied_at"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "migrate", "status", "--json"))), &status))
+		require.Len(t, status, int(latest))
+		for _, s := range status {
+			require.Equal(t, "applied", s.State, s.Source)
+			require.NotNil(t, s.AppliedAt)
+		}
+		var version map[string]int64
+		require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "migrate", "version", "--json"))), &version))
+		require.Equal(t, map[string]int64{"version": latest, "latest": latest}, version)
+	})
+
+	t.Run("Down", func(t *testing.T) {
+		out := requireOK(t, cli(t, db.URL, "migrate", "down"))
+		require.Contains(t, out, "rolled back "+latestFile)
+		require.Equal(t, strconv.FormatInt(latest-1, 10)+" (latest is "+strconv.FormatInt(latest, 10)+"; run pgidem migrate up)\n",
+			requireOK(t, cli(t, db.URL, "migrate", "version")))
+
+		var res struct {
+			Applied    []json.RawMessage `json:"applied"`
+			RolledBack []struct {
+				Version int64  `json:"version"`
+				Source  string `json:"source"`
+			} `json:"rolled_back"`
+			Version int64 `json:"version"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "migrate", "down", "--to", "0", "--json"))), &res))
+		require.Len(t, res.RolledBack, int(latest-1))
+		require.Equal(t, int64(1), res.RolledBack[len(res.RolledBack)-1].Version)
+		require.Empty(t, res.Applied)
+		require.Zero(t, res.Version)
+
+		require.Equal(t, "nothing to roll back; pgidem schema is at version 0\n",
+			requireOK(t, cli(t, db.URL, "migrate", "down")))
+		requireFail(t, cli(t, db.URL, "migrate", "down", "--to", "-1"), 2)
+	})
+
+	t.Run("UpJSON", func(t *testing.T) {
+		var res struct {
+			Applied []struct {
+				Version int64  `json:"version"`
+				Source  string `json:"source"`
+			} `json:"applied"`
+			Version int64 `json:"version"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "migrate", "up", "--json"))), &res))
+		require.Len(t, res.Applied, int(latest))
+		require.Equal(t, latest, res.Version)
+	})
+}
+
+func TestRecordsList(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record", standardFixtures()...)
+
+	keys := func(t *testing.T, args ...string) []string {
+		t.Helper()
+		var records []struct {
+			Namespace string `json:"namespace"`
+			Key       string `json:"key"`
+		}
+		out := requireOK(t, cli(t, db.URL, append([]string{"records", "list", "--json"}, args...)...))
+		require.NoError(t, json.Unmarshal([]byte(out), &records))
+		var got []string
+		for _, r := range records {
+			got = append(got, r.Namespace+"/"+r.Key)
+		}
+		return got
+	}
+
+	t.Run("Table", func(t *testing.T) {
+		out := requireOK(t, cli(t, db.URL, "records", "list"))
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		require.Len(t, lines, 6)
+		require.Equal(t, []string{"NAMESPACE", "KEY", "STATUS", "ATTEMPTS", "AGE", "LEASE", "EXPIRES"}, strings.Fields(lines[0]))
+		// Newest first.
+		require.Equal(t, []string{"invoices", "order-10.invoice", "in_progress", "1", "1m0s", "in", "1h0m", "in", "1d0h"}, strings.Fields(lines[1]))
+		require.Equal(t, []string{"mail", "order-8.receipt", "completed", "1", "2h0m", "-", "in", "1h0m"}, strings.Fields(lines[3]))
+		require.Equal(t, []string{"invoices", "order-7.invoice", "in_progress", "1", "4h0m", "expired", "1h0m", "ago", "in", "20h0m"}, strings.Fields(lines[4]))
+		require.Equal(t, []string{"mail", "order-9.receipt", "failed", "1", "1d1h", "-", "expired", "1h0m", "ago"}, strings.Fields(lines[5]))
+	})
+
+	t.Run("Filters", func(t *testing.T) {
+		require.Equal(t, []string{"invoices/order-10.invoice", "invoices/order-9.invoice", "invoices/order-7.invoice"},
+			keys(t, "--namespace", "invoices"))
+		require.Equal(t, []string{"invoices/order-10.invoice", "invoices/order-7.invoice"}, keys(t, "--status", "in_progress"))
+		require.Equal(t, []string{"invoices/order-9.invoice"}, keys(t, "--min-attempts", "2"))
+		require.Equal(t, []string{"mail/order-9.receipt"}, keys(t, "--expired"))
+		require.Equal(t, []string{"mail/order-8.receipt"}, keys(t, "--namespace", "mail", "--status", "completed"))
+		require.Equal(t, []string{"invoices/order-10.invoice", "invoices/order-9.invoice"}, keys(t, "--limit", "2"))
+		require.Len(t, keys(t, "--limit", "0"), 5)
+		require.Empty(t, keys(t, "--namespace", "nope'; DROP TABLE pgidem_record; --"))
+		require.Equal(t, 5, countRecords(t, db.Pool, "pgidem_record"))
+	})
+
+	t.Run("LimitNotice", func(t *testing.T) {
+		out := requireOK(t, cli(t, db.URL, "records", "list", "--limit", "1"))
+		require.Contains(t, out, "(first 1 records; raise --limit for more)")
+	})
+
+	t.Run("Empty", func(t *testing.T) {
+		require.Equal(t, "no records match\n", requireOK(t, cli(t, db.URL, "records", "list", "--namespace", "none")))
+		require.Equal(t, "[]\n", requireOK(t, cli(t, db.URL, "records", "list", "--namespace", "none", "--json")))
+	})
+
+	t.Run("JSONFields", func(t *testing.T) {
+		var records []map[string]any
+		require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "records", "list", "--json", "--min-attempts", "2"))), &records))
+		require.Len(t, records, 1)
+		r := records[0]
+		require.Equal(t, "completed", r["status"])
+		require.Equal(t, float64(2), r["attempts"])
+		require.Equal(t, true, r["took_over"])
+		require.Equal(t, map[string]any{"invoice_id": "inv_1001", "amount_cents": float64(4200)}, r["result"])
+		require.Nil(t, r["lease_remaining_seconds"])
+		require.InDelta(t, 3600, r["age_seconds"], 600)
+	})
+
+	t.Run("BadFilters", func(t *testing.T) {
+		require.Contains(t, requireFail(t, cli(t, db.URL, "records", "list", "--status", "done"), 2), "--status must be one of")
+		requireFail(t, cli(t, db.URL, "records", "list", "--min-attempts", "x"), 2)
+		requireFail(t, cli(t, db.URL, "records", "list", "--limit", "-1"), 2)
+		requireFail(t, cli(t, db.URL, "records", "list", "extra"), 2)
+	})
+}
+
+func TestRecordsShow(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record", standardFixtures()...)
+
+	t.Run("Table", func(t *testing.T) {
+		out := requireOK(t, cli(t, db.URL, "records", "show", "invoices", "order-9.invoice"))
+		require.Contains(t, out, "status         completed\n")
+		require.Contains(t, out, "attempts       2 (taken over: the effect may have run more than once)\n")
+		require.Contains(t, out, `result         {"invoice_id": "inv_1001", "amount_cents": 4200}`)
+		require.Contains(t, out, "lease expires  -\n")
+		require.Regexp(t, `expires +\S+ \(in 23h0m\)`, out)
+	})
+
+	t.Run("InProgress", func(t *testing.T) {
+		out := requireOK(t, cli(t, db.URL, "records", "show", "invoices", "order-7.invoice"))
+		require.Regexp(t, `lease expires +\S+ \(expired 1h0m ago\)`, out)
+		require.Contains(t, out, "result         -\n")
+	})
+
+	t.Run("JSON", func(t *testing.T) {
+		var r map[string]any
+		require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "records", "show", "mail", "order-9.receipt", "--json"))), &r))
+		require.Equal(t, "failed", r["status"])
+		require.Equal(t, map[string]any{"message": "mailbox unavailable"}, r["error"])
+		require.Equal(t, true, r["expired"])
+	})
+
+	t.Run("Missing", func(t *testing.T) {
+		line := requireFail(t, cli(t, db.URL, "records", "show", "invoices", "order-404"), 1)
+		require.Equal(t, `pgidem: no record for namespace "invoices" key "order-404"`, line)
+	})
+
+	t.Run("WrongArgs", func(t *testing.T) {
+		line := requireFail(t, cli(t, db.URL, "records", "show", "invoices"), 2)
+		require.Contains(t, line, "takes 2 arguments (NAMESPACE KEY), got 1")
+	})
+}
+
+func TestRecordsForget(t *testing.T) {
+	t.Parallel()
+
+	t.Run("RefusesLiveInProgress", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.New(t)
+		insert(t, db.Pool, "pgidem_record", standardFixtures()...)
+
+		line := requireFail(t, cli(t, db.URL, "records", "forget", "invoices", "order-10.invoice"), 1)
+		require.Contains(t, line, `refusing to forget namespace "invoices" key "order-10.invoice"`)
+		require.Contains(t, line, "pass --force")
+		require.Equal(t, 5, countRecords(t, db.Pool, "pgidem_record"))
+
+		out := requireOK(t, cli(t, db.URL, "records", "forget", "invoices", "order-10.invoice", "--force"))
+		require.True(t, strings.HasPrefix(out, "deleted:\n"), out)
+		require.Contains(t, out, "key            order-10.invoice\n")
+		require.Contains(t, out, "status         in_progress\n")
+		require.Equal(t, 4, countRecords(t, db.Pool, "pgidem_record"))
+	})
+
+	t.Run("Deletes", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.New(t)
+		insert(t, db.Pool, "pgidem_record", standardFixtures()...)
+
+		out := requireOK(t, cli(t, db.URL, "records", "forget", "invoices", "order-9.invoice"))
+		require.Contains(t, out, "deleted:\n")
+		require.Contains(t, out, `result         {"invoice_id": "inv_1001", "amount_cents": 4200}`)
+
+		// A dead holder (lease expired) needs no --force.
+		var res struct {
+			Deleted struct {
+				Key          string `json:"key"`
+				Status       string `json:"status"`
+				LeaseExpired bool   `json:"lease_expired"`
+			} `json:"deleted"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "records", "forget", "invoices", "order-7.invoice", "--json"))), &res))
+		require.Equal(t, "order-7.invoice", res.Deleted.Key)
+		require.True(t, res.Deleted.LeaseExpired)
+		require.Equal(t, 3, countRecords(t, db.Pool, "pgidem_record"))
+
+		line := requireFail(t, cli(t, db.URL, "records", "forget", "invoices", "order-9.invoice"), 1)
+		require.Equal(t, `pgidem: no record for namespace "invoices" key "order-9.invoice"; nothing deleted`, line)
+	})
+
+	t.Run("LiveCoordinatorHolder", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.New(t)
+		coord, err := pgidem.NewCoordinator(db.Pool, nil)
+		require.NoError(t, err)
+
+		entered, release := make(chan struct{}), make(chan struct{})
+		done := make(chan error, 1)
+		go func() {
+			_, err := pgidem.Do(context.Background(), coord, "mail", "order-9.receipt", time.Hour, nil,
+				func(context.Context) (string, error) {
+					close(entered)
+					<-release
+					return "sent", nil
+				})
+			done <- err
+		}()
+		<-entered
+
+		line := requireFail(t, cli(t, db.URL, "records", "forget", "mail", "order-9.receipt"), 1)
+		require.Contains(t, line, "in progress under a live lease")
+		close(release)
+		require.NoError(t, <-done)
+
+		out := requireOK(t, cli(t, db.URL, "records", "forget", "mail", "order-9.receipt"))
+		require.Contains(t, out, `result         "sent"`)
+		_, err = coord.Lookup(context.Background(), "mail", "order-9.receipt")
+		require.ErrorIs(t, err, pgidem.ErrNotFound)
+	})
+}
+
+func TestSweep(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record", standardFixtures()...)
+	insert(t, db.Pool, "pgidem_record",
+		fixture{namespace: "mail", key: "old-1", status: "completed", expiresIn: -2 * time.Hour, age: 30 * time.Hour},
+		fixture{namespace: "mail", key: "old-2", status: "completed", expiresIn: -3 * time.Hour, age: 30 * time.Hour},
+	)
+
+	require.Equal(t, "swept 3 expired records and 0 expired inbox rows\n",
+		requireOK(t, cli(t, db.URL, "sweep", "--batch-size", "1")))
+	require.Equal(t, 4, countRecords(t, db.Pool, "pgidem_record"))
+
+	var res map[string]int64
+	require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "sweep", "--json"))), &res))
+	require.Equal(t, map[string]int64{"records": 0, "inbox": 0}, res)
+
+	requireFail(t, cli(t, db.URL, "sweep", "--batch-size", "0"), 2)
+}
+
+func TestStats(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+
+	t.Run("Empty", func(t *testing.T) {
+		out := requireOK(t, cli(t, db.URL, "stats"))
+		require.Regexp(t, `^table pgidem_record: 0 records, \d+ kB\n$`, out)
+	})
+
+	insert(t, db.Pool, "pgidem_record", standardFixtures()...)
+
+	t.Run("Table", func(t *testing.T) {
+		out := requireOK(t, cli(t, db.URL, "stats"))
+		lines := strings.Split(out, "\n")
+		require.Equal(t, []string{"NAMESPACE", "IN", "PROGRESS", "COMPLETED", "FAILED", "LEASE", "EXPIRED", "TOOK", "OVER",
+			"EXPIRED", "OLDEST", "IN", "PROGRESS", "AGE", "LEASE"}, strings.Fields(lines[0]))
+		require.Equal(t, []string{"invoices", "2", "1", "0", "1", "1", "0", "order-7.invoice", "4h0m", "expired", "1h0m", "ago"}, strings.Fields(lines[1]))
+		require.Equal(t, []string{"mail", "0", "1", "1", "0", "0", "1", "-", "-", "-"}, strings.Fields(lines[2]))
+		require.Regexp(t, `table pgidem_record: 5 records, \d+ kB`, out)
+	})
+
+	t.Run("JSON", func(t *testing.T) {
+		var stats struct {
+			Namespaces []struct {
+				Namespace        string `json:"namespace"`
+				InProgress       int64  `json:"in_progress"`
+				Completed        int64  `json:"completed"`
+				Failed           int64  `json:"failed"`
+				LeaseExpired     int64  `json:"lease_expired"`
+				TookOver         int64  `json:"took_over"`
+				Expired          int64  `json:"expired"`
+				OldestInProgress *struct {
+					Key                   string  `json:"key"`
+					LeaseRemainingSeconds float64 `json:"lease_remaining_seconds"`
+				} `json:"oldest_in_progress"`
+			} `json:"namespaces"`
+			Table struct {
+				Table     string `json:"table"`
+				Rows      int64  `json:"rows"`
+				SizeBytes int64  `json:"size_bytes"`
+			} `json:"table"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "stats", "--json"))), &stats))
+		require.Len(t, stats.Namespaces, 2)
+		inv := stats.Namespaces[0]
+		require.Equal(t, "invoices", inv.Namespace)
+		require.Equal(t, []int64{2, 1, 0, 1, 1, 0}, []int64{inv.InProgress, inv.Completed, inv.Failed, inv.LeaseExpired, inv.TookOver, inv.Expired})
+		require.NotNil(t, inv.OldestInProgress)
+		require.Equal(t, "order-7.invoice", inv.OldestInProgress.Key)
+		require.Less(t, inv.OldestInProgress.LeaseRemainingSeconds, float64(0))
+		require.Nil(t, stats.Namespaces[1].OldestInProgress)
+		require.Equal(t, int64(5), stats.Table.Rows)
+		require.Equal(t, "pgidem_record", stats.Table.Table)
+		require.Positive(t, stats.Table.SizeBytes)
+	})
+}
+
+func TestConnection(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record", standardFixtures()...)
+
+	t.Run("Unreachable", func(t *testing.T) {
+		t.Parallel()
+		r := cli(t, "postgres://alice:s3cret-pw@127.0.0.1:1/app", "records", "list")
+		line := requireFail(t, r, 1)
+		require.Contains(t, line, "pgidem: cannot connect to Postgres at 127.0.0.1:1 (database \"app\", user \"alice\", from --database-url)")
+		require.NotContains(t, line, "s3cret-pw")
+		require.Empty(t, r.stdout)
+	})
+
+	t.Run("UnreachableEveryCommand", func(t *testing.T) {
+		t.Parallel()
+		for _, args := range [][]string{
+			{"migrate", "up"}, {"migrate", "down"}, {"migrate", "status"}, {"migrate", "version"},
+			{"records", "show", "a", "b"}, {"records", "forget", "a", "b"}, {"sweep"}, {"stats"},
+		} {
+			line := requireFail(t, cli(t, "postgres://alice:s3cret-pw@127.0.0.1:1/app", args...), 1)
+			require.Contains(t, line, "cannot connect to Postgres at 127.0.0.1:1", args)
+			require.NotContains(t, line, "s3cret-pw", args)
+		}
+	})
+
+	t.Run("Unparsable", func(t *testing.T) {
+		t.Parallel()
+		line := requireFail(t, cli(t, "postgres://alice:s3cret pw@[::1", "stats"), 1)
+		require.Contains(t, line, "pgidem: invalid connection string from --database-url")
+		require.NotContains(t, line, "s3cret")
+	})
+
+	t.Run("DatabaseURLVariable", func(t *testing.T) {
+		t.Parallel()
+		out := requireOK(t, pgidemEnv(t, cliEnv("DATABASE_URL="+db.URL), "records", "list", "--min-attempts", "2"))
+		require.Contains(t, out, "order-9.invoice")
+
+		line := requireFail(t, pgidemEnv(t, cliEnv("DATABASE_URL=postgres://bob@127.0.0.1:1/x"), "stats"), 1)
+		require.Contains(t, line, "from DATABASE_URL")
+	})
+
+	t.Run("FlagBeatsVariable", func(t *testing.T) {
+		t.Parallel()
+		out := requireOK(t, pgidemEnv(t, cliEnv("DATABASE_URL=postgres://bob@127.0.0.1:1/x"),
+			"--database-url", db.URL, "records", "list", "--min-attempts", "2"))
+		require.Contains(t, out, "order-9.invoice")
+	})
+
+	t.Run("PGVariables", func(t *testing.T) {
+		t.Parallel()
+		u, err := url.Parse(db.URL)
+		require.NoError(t, err)
+		env := cliEnv("PGHOST="+u.Hostname(), "PGPORT="+u.Port(), "PGUSER="+u.User.Username(),
+			"PGDATABASE="+strings.TrimPrefix(u.Path, "/"), "PGSSLMODE=disable")
+		if pw, ok := u.User.Password(); ok {
+			env = append(env, "PGPASSWORD="+pw)
+		}
+		out := requireOK(t, pgidemEnv(t, env, "records", "list", "--min-attempts", "2"))
+		require.Contains(t, out, "order-9.invoice")
+
+		line := requireFail(t, pgidemEnv(t, cliEnv("PGHOST=127.0.0.1", "PGPORT=1", "PGUSER=carol", "PGDATABASE=y"), "stats"), 1)
+		require.Contains(t, line, `cannot connect to Postgres at 127.0.0.1:1 (database "y", user "carol", from libpq PG* variables)`)
+	})
+
+	t.Run("NotMigrated", func(t *testing.T) {
+		t.Parallel()
+		empty := testdb.NewUnmigrated(t)
+		for _, args := range [][]string{{"records", "list"}, {"records", "show", "a", "b"}, {"records", "forget", "a", "b"}, {"stats"}, {"sweep"}} {
+			line := requireFail(t, cli(t, empty.URL, args...), 1)
+			require.Contains(t, line, "table pgidem_record not found in the connection's search_path; run 'pgidem migrate up' or pass --schema", args)
+		}
+	})
+}
+
+func TestUsage(t *testing.T) {
+	t.Parallel()
+	// None of these reaches the database.
+	const url = "postgres://nobody@127.0.0.1:1/none"
+
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"UnknownFlag", []string{"records", "list", "--bogus"}, "pgidem: unknown flag: --bogus (see 'pgidem records list --help')"},
+		{"UnknownRootFlag", []string{"--bogus", "stats"}, "pgidem: unknown flag: --bogus (see 'pgidem --help')"},
+		{"UnknownCommand", []string{"frobnicate"}, `pgidem: unknown command "frobnicate" for "pgidem" (see 'pgidem --help')`},
+		{"UnknownSubcommand", []string{"migrate", "sideways"}, `pgidem: unknown command "sideways" for "pgidem migrate" (see 'pgidem migrate --help')`},
+		{"MissingSubcommand", []string{"records"}, "pgidem: missing command: one of forget, list, show (see 'pgidem records --help')"},
+		{"NoCommand", nil, "pgidem: missing command: one of migrate, records, stats, sweep (see 'pgidem --help')"},
+		{"BadValue", []string{"records", "list", "--limit", "many"}, `pgidem: invalid argument "many" for "--limit" flag: strconv.ParseInt: parsing "many": invalid syntax (see 'pgidem records list --help')`},
+		{"ExtraArgs", []string{"stats", "now"}, `pgidem: unknown command "now" for "pgidem stats" (see 'pgidem stats --help')`},
+		{"ForgetOneArg", []string{"records", "forget", "ns"}, "pgidem: pgidem records forget takes 2 arguments (NAMESPACE KEY), got 1 (see 'pgidem records forget --help')"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			r := cli(t, url, tc.args...)
+			require.Equal(t, tc.want, requireFail(t, r, 2))
+			require.Empty(t, r.stdout)
+		})
+	}
+
+	t.Run("Help", func(t *testing.T) {
+		t.Parallel()
+		out := requireOK(t, cli(t, url, "--help"))
+		for _, cmd := range []string{"migrate", "records", "stats", "sweep", "--database-url", "--schema", "--json"} {
+			require.Contains(t, out, cmd)
+		}
+		out = requireOK(t, cli(t, url, "records", "forget", "--help"))
+		require.Contains(t, out, "--force")
+	})
+}
+
+// TestNonDefaultSchema runs pgidem end to end in a schema of its own: migrations through
+// the CLI, the coordinator writing records, the CLI reading, forgetting and sweeping them,
+// and the down migration removing everything but the version table.
+func TestNonDefaultSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.NewUnmigrated(t)
+	const schema = "Idem Store" // needs quoting: proves every identifier is quoted
+	table := `"Idem Store".pgidem_record`
+
+	out := requireOK(t, cli(t, db.URL, "--schema", schema, "migrate", "up"))
+	require.Contains(t, out, "applied 00001_create_pgidem_record.sql")
+
+	var tables []string
+	require.NoError(t, db.Pool.QueryRow(ctx, `
+		SELECT coalesce(array_agg(n.nspname || '.' || c.relname ORDER BY n.nspname, c.relname), '{}')
+		FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+		WHERE c.relkind IN ('r', 'v') AND c.relname LIKE 'pgidem%'`).Scan(&tables))
+	require.Contains(t, tables, schema+".pgidem_record")
+	require.Contains(t, tables, schema+".pgidem_record_overview")
+	require.Contains(t, tables, schema+"."+migrations.VersionTable)
+	for _, name := range tables {
+		require.True(t, strings.HasPrefix(name, schema+"."), "object outside the schema: %s", name)
+	}
+
+	// The coordinator writes in the schema.
+	coord, err := pgidem.NewCoordinator(db.Pool, &pgidem.Config{Schema: schema})
+	require.NoError(t, err)
+	v, err := pgidem.Do(ctx, coord, "invoices", "order-9.invoice", time.Hour, nil,
+		func(context.Context) (int, error) { return 1001, nil })
+	require.NoError(t, err)
+	require.Equal(t, 1001, v)
+	insert(t, db.Pool, table, fixture{namespace: "invoices", key: "order-1.invoice", status: "completed",
+		expiresIn: -time.Hour, age: 48 * time.Hour})
+
+	// The CLI reads it there, and only there.
+	out = requireOK(t, cli(t, db.URL, "--schema", schema, "records", "list"))
+	require.Contains(t, out, "order-9.invoice")
+	out = requireOK(t, cli(t, db.URL, "--schema", schema, "records", "show", "invoices", "order-9.invoice"))
+	require.Contains(t, out, "result         1001\n")
+	out = requireOK(t, cli(t, db.URL, "--schema", schema, "stats"))
+	require.Contains(t, out, `table Idem Store.pgidem_record: 2 records`)
+	line := requireFail(t, cli(t, db.URL, "records", "list"), 1)
+	require.Contains(t, line, "not found in the connection's search_path")
+	line = requireFail(t, cli(t, db.URL, "--schema", "elsewhere", "records", "list"), 1)
+	require.Contains(t, line, `table pgidem_record not found in schema "elsewhere"`)
+
+	require.Equal(t, "swept 1 expired records and 0 expired inbox rows\n",
+		requireOK(t, cli(t, db.URL, "--schema", schema, "sweep")))
+	requireOK(t, cli(t, db.URL, "--schema", schema, "records", "forget", "invoices", "order-9.invoice"))
+	_, err = coord.Lookup(ctx, "invoices", "order-9.invoice")
+	require.ErrorIs(t, err, pgidem.ErrNotFound)
+
+	requireOK(t, cli(t, db.URL, "--schema", schema, "migrate", "down", "--to", "0"))
+	var left []string
+	require.NoError(t, db.Pool.QueryRow(ctx, `
+		SELECT coalesce(array_agg(c.relname ORDER BY c.relname), '{}')
+		FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+		WHERE n.nspname = $1`, schema).Scan(&left))
+	for _, name := range left {
+		require.True(t, strings.HasPrefix(name, migrations.VersionTable), "left behind: %s", name)
+	}
+	require.True(t, strings.HasPrefix(requireOK(t, cli(t, db.URL, "--schema", schema, "migrate", "version")), "0 (latest is "))
+}

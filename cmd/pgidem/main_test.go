@@ -1,0 +1,164 @@
+package main_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+)
+
+// binaryPath is the pgidem binary built once by TestMain and only read by tests.
+var binaryPath string
+
+func TestMain(m *testing.M) {
+	os.Exit(runTests(m))
+}
+
+func runTests(m *testing.M) int {
+	dir, err := os.MkdirTemp("", "pgidem-cli-test-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "pgidem cli test: temp dir:", err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	binaryPath = filepath.Join(dir, "pgidem")
+	build := exec.Command("go", "build", "-o", binaryPath, ".")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "pgidem cli test: go build:", err)
+		return 1
+	}
+	return m.Run()
+}
+
+// result is what one run of the binary produced.
+type result struct {
+	code   int
+	stdout string
+	stderr string
+}
+
+// cliEnv is the environment a test runs the binary with: the test process's own minus
+// every variable that could pick a database, plus extra.
+func cliEnv(extra ...string) []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		name, _, _ := strings.Cut(kv, "=")
+		if name == "DATABASE_URL" || strings.HasPrefix(name, "PG") {
+			continue
+		}
+		env = append(env, kv)
+	}
+	return append(env, extra...)
+}
+
+// pgidemEnv runs the binary with args and the given extra environment.
+func pgidemEnv(t *testing.T, env []string, args ...string) result {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binaryPath, args...)
+	cmd.Env = env
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	code := 0
+	if err != nil {
+		exitErr, ok := err.(*exec.ExitError)
+		require.True(t, ok, "run pgidem %v: %v", args, err)
+		code = exitErr.ExitCode()
+	}
+	return result{code: code, stdout: stdout.String(), stderr: stderr.String()}
+}
+
+// cli runs the binary against url with args.
+func cli(t *testing.T, url string, args ...string) result {
+	t.Helper()
+	return pgidemEnv(t, cliEnv(), append([]string{"--database-url", url}, args...)...)
+}
+
+// requireOK asserts a successful run and returns its standard output.
+func requireOK(t *testing.T, r result) string {
+	t.Helper()
+	require.Equal(t, 0, r.code, "stdout:\n%s\nstderr:\n%s", r.stdout, r.stderr)
+	require.Empty(t, r.stderr)
+	return r.stdout
+}
+
+// requireFail asserts an exit code and one line on stderr starting with "pgidem: ", and
+// returns that line.
+func requireFail(t *testing.T, r result, code int) string {
+	t.Helper()
+	require.Equal(t, code, r.code, "stdout:\n%s\nstderr:\n%s", r.stdout, r.stderr)
+	require.True(t, strings.HasPrefix(r.stderr, "pgidem: "), "stderr: %q", r.stderr)
+	require.True(t, strings.HasSuffix(r.stderr, "\n"), "stderr: %q", r.stderr)
+	require.Equal(t, 1, strings.Count(r.stderr, "\n"), "one line on stderr: %q", r.stderr)
+	return strings.TrimSpace(r.stderr)
+}
+
+// fixture is a pgidem_record row inserted with plain SQL. Times are relative to the
+// database's now() and far from any boundary, so no assertion depends on timing.
+type fixture struct {
+	namespace, key, status string
+	attempts               int
+	result, errJSON        *string
+	// leaseIn is the lease left for in-progress records (negative: expired).
+	leaseIn time.Duration
+	// expiresIn is the TTL left (negative: expired).
+	expiresIn time.Duration
+	// age is how long ago the record was created.
+	age time.Duration
+}
+
+func ptr(s string) *string { return &s }
+
+func insert(t *testing.T, pool *pgxpool.Pool, table string, fixtures ...fixture) {
+	t.Helper()
+	for _, f := range fixtures {
+		attempts := max(f.attempts, 1)
+		_, err := pool.Exec(context.Background(), `
+			INSERT INTO `+table+` (namespace, key, status, owner, attempts, result, error,
+				lease_expires_at, expires_at, created_at, updated_at, completed_at)
+			VALUES ($1, $2, $3, gen_random_uuid(), $4, $5::jsonb, $6::jsonb,
+				CASE WHEN $3 = 'in_progress' THEN now() + make_interval(secs => $7) END,
+				now() + make_interval(secs => $8),
+				now() - make_interval(secs => $9), now() - make_interval(secs => $9),
+				CASE WHEN $3 <> 'in_progress' THEN now() - make_interval(secs => $9) END)`,
+			f.namespace, f.key, f.status, attempts, f.result, f.errJSON,
+			f.leaseIn.Seconds(), f.expiresIn.Seconds(), f.age.Seconds())
+		require.NoError(t, err, "insert %s/%s", f.namespace, f.key)
+	}
+}
+
+// countRecords counts the rows of table (a quoted name).
+func countRecords(t *testing.T, pool *pgxpool.Pool, table string) int {
+	t.Helper()
+	var n int
+	require.NoError(t, pool.QueryRow(context.Background(), "SELECT count(*) FROM "+table).Scan(&n))
+	return n
+}
+
+// standardFixtures is a small incident: a double-run invoice, a live and a dead holder, an
+// expired failure.
+func standardFixtures() []fixture {
+	return []fixture{
+		{namespace: "invoices", key: "order-9.invoice", status: "completed", attempts: 2,
+			result: ptr(`{"invoice_id": "inv_1001", "amount_cents": 4200}`), expiresIn: 23 * time.Hour, age: time.Hour},
+		{namespace: "invoices", key: "order-10.invoice", status: "in_progress",
+			leaseIn: time.Hour, expiresIn: 24 * time.Hour, age: time.Minute},
+		{namespace: "invoices", key: "order-7.invoice", status: "in_progress",
+			leaseIn: -time.Hour, expiresIn: 20 * time.Hour, age: 4 * time.Hour},
+		{namespace: "mail", key: "order-9.receipt", status: "failed",
+			errJSON: ptr(`{"message": "mailbox unavailable"}`), expiresIn: -time.Hour, age: 25 * time.Hour},
+		{namespace: "mail", key: "order-8.receipt", status: "completed",
+			result: ptr(`null`), expiresIn: time.Hour, age: 2 * time.Hour},
+	}
+}

@@ -14,6 +14,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io/fs"
 	"sync"
@@ -158,18 +159,33 @@ func NewUnmigrated(tb testing.TB) *DB {
 // newDB creates a database, from the migrated template when migrated is true.
 func newDB(tb testing.TB, migrated bool) *DB {
 	tb.Helper()
+	db, drop, err := Create(context.Background(), migrated)
+	if err != nil {
+		tb.Fatalf("testdb: %v", err)
+	}
+	tb.Cleanup(func() {
+		if err := drop(); err != nil {
+			tb.Errorf("testdb: %v", err)
+		}
+	})
+	return db
+}
+
+// Create makes a fresh database (from the migrated template when migrated is true) for
+// callers without a testing.TB, such as runnable examples. The returned function closes the
+// pool and drops the database.
+func Create(ctx context.Context, migrated bool) (*DB, func() error, error) {
 	once.Do(setupTemplate)
 	if shared.err != nil {
-		tb.Fatalf("testdb: %v", shared.err)
+		return nil, nil, shared.err
 	}
-	ctx := context.Background()
 	var suffix [6]byte
 	_, _ = rand.Read(suffix[:])
 	name := "pgidem_test_" + hex.EncodeToString(suffix[:])
 
 	admin, err := pgx.Connect(ctx, shared.server.URL)
 	if err != nil {
-		tb.Fatalf("testdb: connect to server: %v", err)
+		return nil, nil, fmt.Errorf("connect to server: %w", err)
 	}
 	defer admin.Close(ctx)
 	create := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
@@ -177,31 +193,30 @@ func newDB(tb testing.TB, migrated bool) *DB {
 		create += " TEMPLATE " + pgx.Identifier{shared.template}.Sanitize()
 	}
 	if _, err := admin.Exec(ctx, create); err != nil {
-		tb.Fatalf("testdb: %s: %v", create, err)
+		return nil, nil, fmt.Errorf("%s: %w", create, err)
 	}
-	url, err := dbserver.ConnStringFor(shared.server.URL, name)
-	if err != nil {
-		tb.Fatalf("testdb: %v", err)
-	}
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		tb.Fatalf("testdb: pool: %v", err)
-	}
-	tb.Cleanup(func() {
-		pool.Close()
+	drop := func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		admin, err := pgx.Connect(ctx, shared.server.URL)
 		if err != nil {
-			tb.Errorf("testdb: cleanup connect: %v", err)
-			return
+			return fmt.Errorf("drop %s: connect: %w", name, err)
 		}
 		defer admin.Close(ctx)
 		if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
-			tb.Errorf("testdb: drop %s: %v", name, err)
+			return fmt.Errorf("drop %s: %w", name, err)
 		}
-	})
-	return &DB{Name: name, URL: url, Pool: pool}
+		return nil
+	}
+	url, err := dbserver.ConnStringFor(shared.server.URL, name)
+	if err != nil {
+		return nil, nil, errors.Join(err, drop())
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		return nil, nil, errors.Join(err, drop())
+	}
+	return &DB{Name: name, URL: url, Pool: pool}, func() error { pool.Close(); return drop() }, nil
 }
 
 // ServerURL returns the URL of the server the test databases live on, failing the test when

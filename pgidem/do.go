@@ -172,6 +172,9 @@ func (c *Coordinator) newCall(namespace, key string, ttl time.Duration, opts *Do
 	if ttl < c.config.MinTTL || cl.lease >= ttl {
 		return nil, &InvalidTTLError{TTL: ttl, MinTTL: c.config.MinTTL, Lease: cl.lease}
 	}
+	if opts.WaitTimeout < 0 {
+		return nil, fmt.Errorf("pgidem: DoOpts.WaitTimeout %s must not be negative", opts.WaitTimeout)
+	}
 	if cl.policy != InFlightWait && cl.policy != InFlightRaise {
 		return nil, fmt.Errorf("pgidem: DoOpts.InFlight %d is not a known policy", cl.policy)
 	}

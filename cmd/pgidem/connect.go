@@ -103,7 +103,8 @@ func connectError(cfg *pgx.ConnConfig, source string, err error) error {
 	// One attempt per host and TLS mode: the same failure is often reported twice.
 	var parts []string
 	for _, line := range strings.Split(cause.Error(), "\n") {
-		if line = strings.TrimSpace(line); line != "" && !slices.Contains(parts, line) {
+		line = strings.TrimSpace(line)
+		if line != "" && !slices.ContainsFunc(parts, func(p string) bool { return strings.Contains(p, line) }) {
 			parts = append(parts, line)
 		}
 	}

@@ -328,3 +328,29 @@ func TestInspectDocQueries(t *testing.T) {
 		require.NoError(t, tx.Rollback(ctx))
 	}
 }
+
+// TestGooseCLIWithPgidemTable checks that the goose command line tool run with
+// -table pgidem_goose_db_version and pgidem's own runner share one history: each continues
+// where the other stopped.
+func TestGooseCLIWithPgidemTable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tdb := testdb.NewUnmigrated(t)
+	db := open(t, tdb.URL, "")
+
+	cliLike, err := goose.NewProvider(goose.DialectPostgres, db, os.DirFS("sql"),
+		goose.WithDisableGlobalRegistry(true), goose.WithTableName(migrations.VersionTable))
+	require.NoError(t, err)
+	res, err := cliLike.UpByOne(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), res.Source.Version)
+
+	applied, err := migrations.Up(ctx, db, nil)
+	require.NoError(t, err)
+	require.Len(t, applied, len(cliLike.ListSources())-1, "pgidem's runner applies only what the goose CLI has not")
+	require.NotEqual(t, int64(1), applied[0].Source.Version)
+
+	pending, err := cliLike.HasPending(ctx)
+	require.NoError(t, err)
+	require.False(t, pending, "the goose CLI sees pgidem's runner's migrations as applied")
+}

@@ -29,6 +29,7 @@ lint:
 ## demo: the lab — the three redelivery scenes on real Postgres.
 demo:
 	$(GO) run ./examples/lab
+	$(GO) run ./examples/consumer
 
 ## bench: benchmarks beside their raw-SQL baselines (see docs/performance.md).
 bench:

@@ -1,0 +1,70 @@
+// Package pgidemriver runs River jobs' effects once, with pgidem records kept in the same
+// Postgres database as River's queue.
+//
+// River delivers every job at least once. A worker that dies after sending the invoice and
+// before River's batched completer recorded the job as completed gets the job again; the
+// stuck-job rescuer re-runs a job still running after RescueStuckJobsAfter without stopping
+// the first run, so a slow job runs twice in parallel; a producer that retries enqueues two
+// jobs for one order. [Middleware] makes each of those replay the first run's outcome
+// instead of repeating the effect.
+//
+// # Middleware
+//
+// Name the effect in the job args, register the worker through [AddWorker] (so the
+// middleware knows the args type), and install the middleware:
+//
+//	type InvoiceArgs struct{ OrderID int64 `json:"order_id"` }
+//
+//	func (InvoiceArgs) Kind() string { return "mail.invoice" }
+//	func (a InvoiceArgs) IdempotencyKey() string { return fmt.Sprintf("order-%d.invoice", a.OrderID) }
+//
+//	coord, _ := pgidem.NewCoordinator(pool, nil)
+//	mw, _ := pgidemriver.NewMiddleware(coord, nil)
+//	workers := river.NewWorkers()
+//	pgidemriver.AddWorker(workers, mw, &InvoiceWorker{})
+//	config := &river.Config{
+//		Middleware: []rivertype.Middleware{mw},
+//		Queues:     map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 10}},
+//		Workers:    workers,
+//	}
+//	mw.CheckTTL(ctx, config) // warns about kinds whose TTL is shorter than River's horizon
+//	client, _ := river.NewClient(riverpgxv5.New(pool), config)
+//
+// Inside the worker, [pgidem.KeyFromContext] returns the key: pass it to the mail or
+// payment provider as its own idempotency key. Record the receipt with [RecordOutput] so
+// replayed jobs carry the same output.
+//
+// The key names the effect ("order-9.invoice"), not the delivery. Jobs whose args name no
+// effect fall back to the job id ([KeySourceJobID]): that dedupes redeliveries of one job
+// but not two jobs for the same order, so the fallback is logged once per kind and counted.
+//
+// # Redeliveries, in flight
+//
+// River runs worker middleware before it decodes args and before it applies JobTimeout, so
+// the middleware decodes what it needs from the job's encoded args and bounds its own SQL
+// ([Config.SQLTimeout]). While the worker runs, pgidem's heartbeat renews the lease — also
+// past JobTimeout, for a worker that ignores cancellation — so the rescuer's parallel
+// duplicate finds the key in progress. By default it is snoozed (river.JobSnooze, which
+// uses no attempt) until the holder's lease would expire, and then replays; with
+// [pgidem.InFlightWait] it waits, bounded, and replays.
+//
+// # Errors
+//
+// A worker error releases the reservation and reaches River unchanged, so River's retry
+// runs the worker again; snooze and cancel errors pass through as they are. A
+// [pgidem.Permanent] error is stored, and this and later jobs with the key are cancelled.
+// An invalid key fails the job loudly without running the worker: an unstorable key never
+// means an unprotected effect.
+//
+// # Database effects: WorkTx
+//
+// When the effect is rows in the same database, [WorkTx] commits the rows, the pgidem
+// record and River's job completion (river.JobCompleteTx) in one transaction: a crash at
+// any point leaves all three or none.
+//
+// # Housekeeping
+//
+// [NewSweepPeriodicJob] and [SweepWorker] delete expired records every five minutes on
+// the leader. [MigrateRiver] runs River's migrations under an advisory lock so that deploys
+// starting at once do not collide.
+package pgidemriver

@@ -1,0 +1,599 @@
+package pgidemriver
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"reflect"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
+
+	"github.com/pgidem/pgidem/pgidem"
+)
+
+// Defaults for [Config]. A zero Config field takes the Default.
+const (
+	// TTLDefault is the default [Config.TTL]: how long a job's effect record counts after
+	// the job's effect completed. Compare it with the redelivery horizon [Middleware.CheckTTL]
+	// computes.
+	TTLDefault = 24 * time.Hour
+
+	// SQLTimeoutDefault is the default [Config.SQLTimeout].
+	SQLTimeoutDefault = 10 * time.Second
+
+	// WaitTimeoutDefault is the default [Config.WaitTimeout], used under
+	// [pgidem.InFlightWait].
+	WaitTimeoutDefault = 30 * time.Second
+
+	// SnoozeMinDefault is the default [Config.SnoozeMin].
+	SnoozeMinDefault = 100 * time.Millisecond
+
+	// JobIDKeyPrefix starts the key of a job that names no effect ([KeySourceJobID]):
+	// the key is JobIDKeyPrefix followed by the job id in decimal, e.g. "job-42".
+	JobIDKeyPrefix = "job-"
+)
+
+// KeyArgs is implemented by job args that name the effect their job performs, for example
+// "order-9.invoice". Two jobs whose args return the same key (in the same namespace) run
+// the effect once. The key is computed from the job's args as decoded from
+// [rivertype.JobRow.EncodedArgs] (the middleware runs before River decodes them), so the
+// args type must be known to the middleware: register its worker with [AddWorker], or call
+// [Middleware.Register]. An empty or otherwise invalid key fails the job with an error
+// matching [pgidem.ErrInvalidKey]; the worker is not run.
+type KeyArgs interface {
+	IdempotencyKey() string
+}
+
+// NamespaceArgs may be implemented by job args besides [KeyArgs] to choose the record's
+// namespace. Default (or an empty result): the job kind. Jobs of different kinds that
+// perform the same effect share a namespace so their keys collide on purpose.
+type NamespaceArgs interface {
+	IdempotencyNamespace() string
+}
+
+// TTLArgs may be implemented by job args to override [Config.TTL] for their kind. It is
+// called once, on the zero value of the args type, when the type is registered
+// ([AddWorker], [Middleware.Register]), so it must not depend on field values. A result of
+// 0 or less means [Config.TTL].
+type TTLArgs interface {
+	IdempotencyTTL() time.Duration
+}
+
+// KeySource says where the middleware found a job's idempotency key.
+type KeySource string
+
+const (
+	// KeySourceArgs: the job args implement [KeyArgs].
+	KeySourceArgs KeySource = "args"
+	// KeySourceFunc: [Config.KeyFunc] returned a key.
+	KeySourceFunc KeySource = "key_func"
+	// KeySourceJobID: no key was found and the job id was used. It dedupes redeliveries of
+	// the same job (a crash before River recorded completion, the stuck-job rescuer running
+	// it again), not two jobs enqueued for the same effect. Logged once per kind at warn
+	// and counted in [Stats.JobIDKeys].
+	KeySourceJobID KeySource = "job_id"
+)
+
+// Action is what the middleware did with one execution of a job.
+type Action string
+
+const (
+	// ActionExecuted: the worker ran under a fresh (or taken-over) reservation and
+	// succeeded; the record is completed.
+	ActionExecuted Action = "executed"
+	// ActionReplayed: the key's effect had already completed; the worker did not run and
+	// the job completes (its recorded output is the original run's, see [RecordOutput]).
+	ActionReplayed Action = "replayed"
+	// ActionSnoozed: another execution holds the key (in progress, lease alive); the job
+	// was answered with river.JobSnooze, which does not use an attempt.
+	ActionSnoozed Action = "snoozed"
+	// ActionReleased: the worker returned an error (including a snooze or cancel error);
+	// the reservation was released and the error returned unchanged, so River's retry runs
+	// the worker again.
+	ActionReleased Action = "released"
+	// ActionCancelled: the effect failed permanently (the worker returned a
+	// [pgidem.Permanent] error, now or on an earlier job with the key); the job was
+	// cancelled with river.JobCancel so River does not retry it.
+	ActionCancelled Action = "cancelled"
+	// ActionError: the middleware could not decide (invalid key, undecodable args, store
+	// unreachable, lease lost); the error was returned to River, which retries the job.
+	ActionError Action = "error"
+	// ActionSkipped: the kind is excluded ([Config.ExcludeKinds], [SweepKind]); the
+	// worker ran without a reservation.
+	ActionSkipped Action = "skipped"
+)
+
+// Outcome describes one execution of a job through the middleware, for a [Hook].
+type Outcome struct {
+	// Job is the job row as River handed it to the middleware. Do not modify it.
+	Job *rivertype.JobRow
+	// Namespace and Key are the record's; empty when the key could not be determined.
+	Namespace, Key string
+	// KeySource says where Key came from.
+	KeySource KeySource
+	// Action is what happened.
+	Action Action
+	// Waited is true when the execution waited for another holder ([pgidem.InFlightWait]).
+	Waited bool
+	// TookOver is true when the execution took over a reservation whose holder stopped
+	// renewing its lease (a crashed worker): the effect may have run twice.
+	TookOver bool
+	// Attempts is the record's attempt count (see [pgidem.Result.Attempts]).
+	Attempts int
+	// Output is the JSON output the effect recorded with [RecordOutput] (the original run's
+	// on a replay), nil when none.
+	Output json.RawMessage
+	// Snooze is the delay given to river.JobSnooze for [ActionSnoozed].
+	Snooze time.Duration
+	// Err is the error returned to River, nil on success.
+	Err error
+}
+
+// Hook receives an [Outcome] for every job execution the middleware handles, for metrics
+// and tracing. OnOutcome is called synchronously on the job's goroutine, from many
+// goroutines at once: it must be fast and safe for concurrent use.
+type Hook interface {
+	OnOutcome(ctx context.Context, outcome *Outcome)
+}
+
+// HookFunc adapts a function to [Hook].
+type HookFunc func(ctx context.Context, outcome *Outcome)
+
+// OnOutcome calls f(ctx, outcome).
+func (f HookFunc) OnOutcome(ctx context.Context, outcome *Outcome) { f(ctx, outcome) }
+
+// Config configures a [Middleware]. The zero value is valid: every zero field takes its
+// documented default. [NewMiddleware] copies it.
+type Config struct {
+	// TTL is how long a job's effect record counts after the effect completed; within it a
+	// redelivery or a second job with the same key replays instead of running. It must
+	// outlive River's redelivery horizon for the job ([Middleware.CheckTTL] warns when it
+	// does not). Per kind overrides: [TTLArgs]. Default [TTLDefault] (24 h). It must be at
+	// least the coordinator's [pgidem.Config.MinTTL], or jobs fail with
+	// [pgidem.ErrInvalidTTL].
+	TTL time.Duration
+
+	// InFlight is what an execution does when another execution holds the key with a live
+	// lease — the stuck-job rescuer re-running a slow job, or two jobs for one effect:
+	//   - [pgidem.InFlightRaise] (the default, also for [pgidem.InFlightDefault]): return
+	//     river.JobSnooze with the holder's remaining lease as delay (at least SnoozeMin).
+	//     A snooze uses no attempt (River's rule), so the job comes back and replays once
+	//     the holder completed — or takes over if the holder died.
+	//   - [pgidem.InFlightWait]: block until the holder finishes and replay its outcome,
+	//     at most WaitTimeout; then snooze as above. A waiting job occupies a worker slot.
+	InFlight pgidem.InFlightPolicy
+
+	// WaitTimeout bounds the wait under [pgidem.InFlightWait]. Default
+	// [WaitTimeoutDefault] (30 s).
+	WaitTimeout time.Duration
+
+	// SnoozeMin is the shortest snooze delay; a holder whose lease is about to expire is
+	// given at least this long. Default [SnoozeMinDefault] (100 ms).
+	SnoozeMin time.Duration
+
+	// SQLTimeout bounds the middleware's own statements before the worker runs (the
+	// reservation, replay read and takeover). River runs worker middleware before it
+	// applies JobTimeout, so the middleware's context has no deadline of its own. The
+	// worker itself is not bounded by it. The finishing write is bounded by the
+	// coordinator's [pgidem.Config.FinishTimeout]. Default [SQLTimeoutDefault] (10 s).
+	SQLTimeout time.Duration
+
+	// KeyFunc derives the key from the raw job row for jobs whose args do not implement
+	// [KeyArgs] (or whose type is not registered). It returns ok false when it has no key
+	// for the job; namespace "" means the job kind. Called concurrently; must not modify
+	// the job. Default nil: args, then the job id.
+	KeyFunc func(job *rivertype.JobRow) (namespace, key string, ok bool)
+
+	// ExcludeKinds lists job kinds the middleware passes straight to the worker without a
+	// reservation — for example workers that make their effect exactly-once themselves
+	// with [WorkTx]. [SweepKind] is always excluded.
+	ExcludeKinds []string
+
+	// Logger receives the middleware's warnings (job-id fallback once per kind, TTL checks,
+	// lease loss). Default: the coordinator's [pgidem.Config.Logger].
+	Logger *slog.Logger
+
+	// Hook receives an [Outcome] for every execution. Default: none.
+	Hook Hook
+}
+
+// Stats are cumulative counts of the middleware's outcomes since it was created.
+type Stats struct {
+	// Executed, Replayed, Snoozed, Released, Cancelled, Errors and Skipped count
+	// executions by [Action].
+	Executed, Replayed, Snoozed, Released, Cancelled, Errors, Skipped int64
+	// Waited counts executions that waited for another holder.
+	Waited int64
+	// JobIDKeys counts executions keyed by the job id ([KeySourceJobID]).
+	JobIDKeys int64
+}
+
+// Middleware is a River worker middleware ([rivertype.WorkerMiddleware]) that runs each job
+// under a pgidem reservation, so a job's effect happens once however often River delivers
+// it. Create it with [NewMiddleware] and register the pointer in river.Config.Middleware
+// (every worker) or return it from a worker's Middleware method (that worker only).
+//
+// Per execution, in order:
+//  1. Key: the args' [KeyArgs] key (decoded from the job's encoded args), else
+//     [Config.KeyFunc], else the job id ([KeySourceJobID]). Namespace: [NamespaceArgs],
+//     else the job kind.
+//  2. Reserve the key ([pgidem.DoResult]) within [Config.SQLTimeout].
+//  3. Completed before: return nil without running the worker (replay).
+//     In progress elsewhere: snooze or wait ([Config.InFlight]).
+//     Otherwise: run the worker (doInner) while a heartbeat renews the lease for as long
+//     as it runs — also past JobTimeout and for jobs without a timeout — so the rescuer's
+//     duplicate finds it in progress rather than taking over.
+//  4. Worker returns nil: the record completes. Worker returns an error: the record is
+//     released and the error returned unchanged (snooze and cancel errors included), so
+//     River retries. A [pgidem.Permanent] error is stored and the job cancelled.
+//
+// It is safe for concurrent use and may serve several clients.
+type Middleware struct {
+	river.MiddlewareDefaults
+
+	coord   *pgidem.Coordinator
+	config  Config
+	exclude map[string]bool
+
+	mu    sync.RWMutex
+	kinds map[string]*kindInfo // registered args types by kind (and kind alias)
+
+	fallbackLogged sync.Map // kind -> struct{}: job-id fallback already logged
+	counts         struct {
+		executed, replayed, snoozed, released, cancelled, errors, skipped, waited, jobIDKeys atomic.Int64
+	}
+}
+
+var _ rivertype.WorkerMiddleware = (*Middleware)(nil)
+
+// kindInfo is what registration learned about a job kind's args type.
+type kindInfo struct {
+	args   river.JobArgs // zero value, for InsertOpts in CheckTTL
+	typ    reflect.Type  // the args type T (decoded into a new *T)
+	keyed  bool          // T or *T implements KeyArgs
+	ttl    time.Duration // from TTLArgs, 0 when none
+	source string        // the Go type name, for messages
+}
+
+// NewMiddleware returns a middleware storing its records through coord. config may be nil
+// for all defaults; it is copied. It returns an error naming the Config field when a
+// setting is invalid. It does not touch the database.
+func NewMiddleware(coord *pgidem.Coordinator, config *Config) (*Middleware, error) {
+	if coord == nil {
+		return nil, errors.New("pgidemriver: NewMiddleware: coord is nil")
+	}
+	var cfg Config
+	if config != nil {
+		cfg = *config
+	}
+	cfg.TTL = cmp.Or(cfg.TTL, TTLDefault)
+	cfg.InFlight = cmp.Or(cfg.InFlight, pgidem.InFlightRaise)
+	cfg.WaitTimeout = cmp.Or(cfg.WaitTimeout, WaitTimeoutDefault)
+	cfg.SnoozeMin = cmp.Or(cfg.SnoozeMin, SnoozeMinDefault)
+	cfg.SQLTimeout = cmp.Or(cfg.SQLTimeout, SQLTimeoutDefault)
+	if cfg.Logger == nil {
+		cfg.Logger = coord.Config().Logger
+	}
+	switch {
+	case cfg.TTL < coord.Config().MinTTL:
+		return nil, fmt.Errorf("pgidemriver: Config.TTL %s is below the coordinator's MinTTL %s", cfg.TTL, coord.Config().MinTTL)
+	case cfg.InFlight != pgidem.InFlightRaise && cfg.InFlight != pgidem.InFlightWait:
+		return nil, fmt.Errorf("pgidemriver: Config.InFlight %d is not a known policy", cfg.InFlight)
+	case cfg.WaitTimeout < 0:
+		return nil, fmt.Errorf("pgidemriver: Config.WaitTimeout %s must not be negative", cfg.WaitTimeout)
+	case cfg.SnoozeMin < 0:
+		return nil, fmt.Errorf("pgidemriver: Config.SnoozeMin %s must not be negative", cfg.SnoozeMin)
+	case cfg.SQLTimeout < 0:
+		return nil, fmt.Errorf("pgidemriver: Config.SQLTimeout %s must not be negative", cfg.SQLTimeout)
+	}
+	exclude := map[string]bool{SweepKind: true}
+	for _, kind := range cfg.ExcludeKinds {
+		exclude[kind] = true
+	}
+	cfg.ExcludeKinds = append([]string(nil), cfg.ExcludeKinds...)
+	return &Middleware{coord: coord, config: cfg, exclude: exclude, kinds: map[string]*kindInfo{}}, nil
+}
+
+// Config returns a copy of the middleware's configuration with defaults filled in.
+func (m *Middleware) Config() Config {
+	cfg := m.config
+	cfg.ExcludeKinds = append([]string(nil), cfg.ExcludeKinds...)
+	return cfg
+}
+
+// Stats returns the middleware's cumulative counts. Safe for concurrent use.
+func (m *Middleware) Stats() Stats {
+	c := &m.counts
+	return Stats{
+		Executed: c.executed.Load(), Replayed: c.replayed.Load(), Snoozed: c.snoozed.Load(),
+		Released: c.released.Load(), Cancelled: c.cancelled.Load(), Errors: c.errors.Load(),
+		Skipped: c.skipped.Load(), Waited: c.waited.Load(), JobIDKeys: c.jobIDKeys.Load(),
+	}
+}
+
+// AddWorker registers worker on workers like river.AddWorker (and panics in the same
+// cases), and registers its args type with m ([Middleware.Register]) so that m can find
+// the [KeyArgs] key of its jobs and check its TTL.
+func AddWorker[T river.JobArgs](workers *river.Workers, m *Middleware, worker river.Worker[T]) {
+	river.AddWorker(workers, worker)
+	var zero T
+	m.Register(zero)
+}
+
+// Register tells m the args types of workers registered with River directly, by example
+// values (the zero value is fine): m then decodes jobs of their kinds (and kind aliases)
+// to find the [KeyArgs] key and includes them in [Middleware.CheckTTL]. Registering a
+// kind again replaces the earlier type. Call it before the client starts; safe for
+// concurrent use.
+func (m *Middleware) Register(args ...river.JobArgs) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, a := range args {
+		typ := reflect.TypeOf(a)
+		info := &kindInfo{args: a, typ: typ, source: typ.String()}
+		keyType := reflect.TypeFor[KeyArgs]()
+		info.keyed = typ.Implements(keyType) || reflect.PointerTo(typ).Implements(keyType)
+		if t, ok := a.(TTLArgs); ok {
+			info.ttl = max(t.IdempotencyTTL(), 0)
+		}
+		kinds := []string{a.Kind()}
+		if aliased, ok := a.(river.JobArgsWithKindAliases); ok {
+			kinds = append(kinds, aliased.KindAliases()...)
+		}
+		for _, kind := range kinds {
+			m.kinds[kind] = info
+		}
+	}
+}
+
+func (m *Middleware) kind(kind string) *kindInfo {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	return m.kinds[kind]
+}
+
+// Work implements [rivertype.WorkerMiddleware]; River calls it for every execution of a job.
+// See [Middleware] for what it does. The error it returns is the worker's, unchanged, when
+// the worker ran and failed; river.JobSnooze when another execution holds the key; a
+// river.JobCancel wrapping a stored permanent failure; otherwise an error prefixed
+// "pgidemriver: " wrapping pgidem's ([pgidem.ErrInvalidKey], [pgidem.ErrStoreUnavailable],
+// [pgidem.ErrLeaseLost], a context error).
+func (m *Middleware) Work(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
+	out := &Outcome{Job: job}
+	out.Err = m.work(ctx, job, doInner, out)
+	m.record(out)
+	if m.config.Hook != nil {
+		m.config.Hook.OnOutcome(ctx, out)
+	}
+	return out.Err
+}
+
+func (m *Middleware) record(out *Outcome) {
+	c := &m.counts
+	switch out.Action {
+	case ActionExecuted:
+		c.executed.Add(1)
+	case ActionReplayed:
+		c.replayed.Add(1)
+	case ActionSnoozed:
+		c.snoozed.Add(1)
+	case ActionReleased:
+		c.released.Add(1)
+	case ActionCancelled:
+		c.cancelled.Add(1)
+	case ActionSkipped:
+		c.skipped.Add(1)
+	default:
+		c.errors.Add(1)
+	}
+	if out.Waited {
+		c.waited.Add(1)
+	}
+	if out.KeySource == KeySourceJobID {
+		c.jobIDKeys.Add(1)
+	}
+}
+
+// effectRecord is the JSON stored as the record's result: which job performed the effect
+// and what it recorded as output.
+type effectRecord struct {
+	JobID   int64           `json:"job_id"`
+	Attempt int             `json:"attempt"`
+	Output  json.RawMessage `json:"output,omitempty"`
+}
+
+func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error, out *Outcome) error {
+	if m.exclude[job.Kind] {
+		out.Action = ActionSkipped
+		return doInner(ctx)
+	}
+	ttl, err := m.resolve(ctx, job, out)
+	if err != nil {
+		out.Action = ActionError
+		return err
+	}
+
+	// The reservation (and, under Wait, the wait) is bounded; the worker is not.
+	budget := m.config.SQLTimeout
+	if m.config.InFlight == pgidem.InFlightWait {
+		budget += m.config.WaitTimeout
+	}
+	reserveCtx, cancel := context.WithTimeout(ctx, budget)
+	defer cancel()
+
+	ran := false
+	opts := &pgidem.DoOpts{InFlight: m.config.InFlight, WaitTimeout: m.config.WaitTimeout}
+	res, err := pgidem.DoResult(reserveCtx, m.coord, out.Namespace, out.Key, ttl, opts,
+		func(fnCtx context.Context) (effectRecord, error) {
+			ran = true
+			workCtx, stop := workerContext(ctx, fnCtx)
+			defer stop()
+			slot := &outputSlot{}
+			if err := doInner(context.WithValue(workCtx, outputSlotKey{}, slot)); err != nil {
+				return effectRecord{}, err
+			}
+			return effectRecord{JobID: job.ID, Attempt: job.Attempt, Output: slot.get()}, nil
+		})
+	out.Waited, out.TookOver, out.Attempts = res.Waited, res.TookOver, res.Attempts
+
+	var (
+		inProgress *pgidem.InProgressError
+		snoozeErr  *river.JobSnoozeError
+		cancelErr  *river.JobCancelError
+	)
+	switch {
+	case err == nil && res.Replayed:
+		out.Action = ActionReplayed
+		out.Output = res.Value.Output
+		if len(out.Output) > 0 {
+			// The replayed job carries the original run's output, as if it had run.
+			if err := river.RecordOutput(ctx, out.Output); err != nil {
+				m.config.Logger.WarnContext(ctx, "pgidemriver: could not record replayed output",
+					slog.Int64("job_id", job.ID), slog.String("job_kind", job.Kind), slog.String("error", err.Error()))
+			}
+		}
+		return nil
+	case err == nil:
+		out.Action = ActionExecuted
+		out.Output = res.Value.Output
+		return nil
+	case ran && (errors.As(err, &snoozeErr) || errors.As(err, &cancelErr)):
+		out.Action = ActionReleased
+		return err // River's own control errors pass through unchanged
+	case errors.Is(err, pgidem.ErrPermanent):
+		out.Action = ActionCancelled
+		return river.JobCancel(err)
+	case ran && errors.Is(err, pgidem.ErrLeaseLost):
+		out.Action = ActionError
+		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
+	case ran:
+		out.Action = ActionReleased
+		return err // the worker's error, unchanged
+	case errors.As(err, &inProgress):
+		out.Action = ActionSnoozed
+		out.Snooze = max(inProgress.RetryAfter, m.config.SnoozeMin)
+		return river.JobSnooze(out.Snooze)
+	case ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded):
+		out.Action = ActionError
+		return fmt.Errorf("pgidemriver: job %d (%s): reservation exceeded Config.SQLTimeout %s: %w", job.ID, job.Kind, budget, err)
+	default:
+		out.Action = ActionError
+		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
+	}
+}
+
+// resolve fills out's namespace, key and key source and returns the record TTL.
+func (m *Middleware) resolve(ctx context.Context, job *rivertype.JobRow, out *Outcome) (time.Duration, error) {
+	info := m.kind(job.Kind)
+	ttl := m.config.TTL
+	if info != nil && info.ttl > 0 {
+		ttl = info.ttl
+	}
+	if info != nil && info.keyed {
+		ptr := reflect.New(info.typ)
+		if err := json.Unmarshal(job.EncodedArgs, ptr.Interface()); err != nil {
+			return 0, fmt.Errorf("pgidemriver: job %d (%s): decode args as %s to find the idempotency key: %w", job.ID, job.Kind, info.source, err)
+		}
+		var args any = ptr.Interface()
+		if _, ok := args.(KeyArgs); !ok {
+			args = ptr.Elem().Interface()
+		}
+		out.KeySource = KeySourceArgs
+		out.Key = args.(KeyArgs).IdempotencyKey()
+		out.Namespace = job.Kind
+		if ns, ok := args.(NamespaceArgs); ok {
+			out.Namespace = cmp.Or(ns.IdempotencyNamespace(), job.Kind)
+		}
+		return ttl, nil
+	}
+	if m.config.KeyFunc != nil {
+		if ns, key, ok := m.config.KeyFunc(job); ok {
+			out.KeySource, out.Namespace, out.Key = KeySourceFunc, cmp.Or(ns, job.Kind), key
+			return ttl, nil
+		}
+	}
+	out.KeySource, out.Namespace, out.Key = KeySourceJobID, job.Kind, JobIDKeyPrefix+strconv.FormatInt(job.ID, 10)
+	if _, logged := m.fallbackLogged.LoadOrStore(job.Kind, struct{}{}); !logged {
+		reason := "its args type is not registered (pgidemriver.AddWorker or Middleware.Register)"
+		if info != nil {
+			reason = "its args type " + info.source + " does not implement pgidemriver.KeyArgs"
+		}
+		m.config.Logger.WarnContext(ctx, "pgidemriver: no idempotency key for job kind, using the job id: "+
+			"this dedupes redeliveries of one job, not two jobs for the same effect",
+			slog.String("job_kind", job.Kind), slog.String("reason", reason))
+	}
+	return ttl, nil
+}
+
+// workerContext returns the context the worker runs with: the values of fnCtx (the
+// idempotency key for pgidem.KeyFromContext), the cancellation and deadline of the job's
+// context, and cancellation with cause pgidem.ErrLeaseLost when the heartbeat finds the
+// reservation lost — but not the middleware's SQL deadline, which fnCtx inherits from the
+// reservation context and which must not bound the worker.
+func workerContext(jobCtx, fnCtx context.Context) (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(context.WithoutCancel(fnCtx))
+	stopJob := context.AfterFunc(jobCtx, func() { cancel(context.Cause(jobCtx)) })
+	stopLease := context.AfterFunc(fnCtx, func() {
+		if cause := context.Cause(fnCtx); errors.Is(cause, pgidem.ErrLeaseLost) {
+			cancel(cause)
+		}
+	})
+	cancelDeadline := context.CancelFunc(func() {})
+	if deadline, ok := jobCtx.Deadline(); ok {
+		ctx, cancelDeadline = context.WithDeadline(ctx, deadline)
+	}
+	return ctx, func() {
+		stopJob()
+		stopLease()
+		cancelDeadline()
+		cancel(nil)
+	}
+}
+
+type outputSlotKey struct{}
+
+// outputSlot carries the output a worker records with RecordOutput up to the middleware.
+type outputSlot struct {
+	mu     sync.Mutex
+	output json.RawMessage
+}
+
+func (s *outputSlot) set(b []byte) {
+	s.mu.Lock()
+	s.output = b
+	s.mu.Unlock()
+}
+
+func (s *outputSlot) get() json.RawMessage {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.output
+}
+
+// RecordOutput records output as the job's output, like river.RecordOutput (it calls it),
+// and also stores it in the job's pgidem record, so that a replayed job — the same job
+// redelivered, or another job with the same key — records the same output without running.
+// Use it for the effect's receipt (a message id, a charge id). output must be
+// JSON-encodable; only the last call per execution counts. It must be called from within a
+// worker's Work; outside the middleware it behaves exactly like river.RecordOutput.
+func RecordOutput(ctx context.Context, output any) error {
+	b, err := json.Marshal(output)
+	if err != nil {
+		return fmt.Errorf("pgidemriver: RecordOutput: %w", err)
+	}
+	if err := river.RecordOutput(ctx, json.RawMessage(b)); err != nil {
+		return fmt.Errorf("pgidemriver: RecordOutput: %w", err)
+	}
+	if slot, ok := ctx.Value(outputSlotKey{}).(*outputSlot); ok {
+		slot.set(b)
+	}
+	return nil
+}

@@ -1,0 +1,74 @@
+package pgidemriver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivermigrate"
+)
+
+// MigrateLockID is the Postgres session advisory lock [MigrateRiver] holds while River's
+// migrations run. It differs from pgidem's own migration lock (package migrations,
+// LockID). The value is the ASCII bytes of "pgidemrv".
+const MigrateLockID int64 = 0x70676964656d7276
+
+// MigrateOpts are optional settings for [MigrateRiver]; nil means defaults.
+type MigrateOpts struct {
+	// Schema is the schema of River's tables (river.Config.Schema). Default "": the
+	// connection's search_path.
+	Schema string
+	// TargetVersion migrates up to this River migration version. Default 0: the latest.
+	TargetVersion int
+	// Logger receives rivermigrate's progress. Default: discard.
+	Logger *slog.Logger
+}
+
+// MigrateRiver applies River's pending migrations (rivermigrate, the "main" line) through
+// pool, holding the session advisory lock [MigrateLockID] on a connection of its own for
+// the whole run, so concurrent callers — several deploys or replicas starting at once —
+// all succeed: one migrates, the others wait and then find nothing to do. River's
+// migrator takes no lock itself; two unguarded runs race and one fails with a unique
+// violation on river_migration or an "already exists" error (River v0.51).
+//
+// The lock connection is opened from pool's configuration outside the pool, so a pool of
+// any size works. Cancelling ctx stops the wait for the lock or the migration in progress
+// (each River migration runs in its own transaction). It returns the versions this call
+// applied (none when River's schema is current).
+func MigrateRiver(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) (*rivermigrate.MigrateResult, error) {
+	if pool == nil {
+		return nil, errors.New("pgidemriver: MigrateRiver: pool is nil")
+	}
+	if opts == nil {
+		opts = &MigrateOpts{}
+	}
+	logger := opts.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	migrator, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Schema: opts.Schema, Logger: logger})
+	if err != nil {
+		return nil, fmt.Errorf("pgidemriver: MigrateRiver: %w", err)
+	}
+
+	lockConn, err := pgx.ConnectConfig(ctx, pool.Config().ConnConfig.Copy())
+	if err != nil {
+		return nil, fmt.Errorf("pgidemriver: MigrateRiver: connect for the lock: %w", err)
+	}
+	// Closing the session releases the lock even when the unlock below cannot run.
+	defer lockConn.Close(context.WithoutCancel(ctx))
+	if _, err := lockConn.Exec(ctx, "SELECT pg_advisory_lock($1)", MigrateLockID); err != nil {
+		return nil, fmt.Errorf("pgidemriver: MigrateRiver: take lock %d: %w", MigrateLockID, err)
+	}
+	defer lockConn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock($1)", MigrateLockID) //nolint:errcheck // the close releases it anyway
+
+	res, err := migrator.Migrate(ctx, rivermigrate.DirectionUp, &rivermigrate.MigrateOpts{TargetVersion: opts.TargetVersion})
+	if err != nil {
+		return res, fmt.Errorf("pgidemriver: MigrateRiver: %w", err)
+	}
+	return res, nil
+}

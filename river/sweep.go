@@ -1,0 +1,161 @@
+package pgidemriver
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/riverqueue/river"
+
+	"github.com/pgidem/pgidem/pgidem"
+)
+
+// Sweep defaults.
+const (
+	// SweepKind is the River job kind of [SweepArgs]. The middleware never reserves a key
+	// for it.
+	SweepKind = "pgidem.sweep"
+
+	// SweepIntervalDefault is the default [SweepPeriodicJobOpts.Interval].
+	SweepIntervalDefault = 5 * time.Minute
+
+	// SweepPauseDefault is the default [SweepConfig.Pause].
+	SweepPauseDefault = 100 * time.Millisecond
+
+	// SweepTimeoutDefault is the default [SweepConfig.Timeout].
+	SweepTimeoutDefault = 4 * time.Minute
+)
+
+// SweepArgs are the args of the sweep job (kind [SweepKind]). It has no fields: what and
+// how much to sweep is the worker's configuration.
+type SweepArgs struct{}
+
+// Kind returns [SweepKind].
+func (SweepArgs) Kind() string { return SweepKind }
+
+// SweepConfig configures a [SweepWorker]. The zero value is valid.
+type SweepConfig struct {
+	// BatchSize is how many rows one DELETE removes. Default
+	// [pgidem.SweepBatchSizeDefault] (1000).
+	BatchSize int
+	// Pause is the sleep between batches, spreading the load. Default
+	// [SweepPauseDefault] (100 ms); -1 for none.
+	Pause time.Duration
+	// Timeout bounds one sweep job (the worker's River timeout). A sweep cut short keeps
+	// what it deleted and the next run continues. Default [SweepTimeoutDefault] (4 min).
+	Timeout time.Duration
+	// Logger receives a line per sweep that deleted something (info) and per failure
+	// (error). Default: the coordinator's logger.
+	Logger *slog.Logger
+}
+
+// SweepWorker is the River worker of [SweepArgs]: it deletes expired pgidem records (and
+// expired inbox rows) in batches through [pgidem.Coordinator.Sweep], logs what it removed,
+// and records the counts as the job's output ([pgidem.SweepResult] as JSON). The
+// coordinator's hook counts the rows ([pgidem.EventSwept]).
+//
+// Two clients sweeping at once (a leader handover, or a sweep run by hand beside the
+// periodic one) split the rows with SKIP LOCKED instead of blocking or failing. Safe for
+// concurrent use.
+type SweepWorker struct {
+	river.WorkerDefaults[SweepArgs]
+
+	coord  *pgidem.Coordinator
+	config SweepConfig
+}
+
+// NewSweepWorker returns a sweep worker for coord; config may be nil for defaults. Register
+// it with river.AddWorker and schedule it with [NewSweepPeriodicJob].
+func NewSweepWorker(coord *pgidem.Coordinator, config *SweepConfig) (*SweepWorker, error) {
+	if coord == nil {
+		return nil, errors.New("pgidemriver: NewSweepWorker: coord is nil")
+	}
+	var cfg SweepConfig
+	if config != nil {
+		cfg = *config
+	}
+	cfg.Pause = cmp.Or(cfg.Pause, SweepPauseDefault)
+	cfg.Timeout = cmp.Or(cfg.Timeout, SweepTimeoutDefault)
+	if cfg.Logger == nil {
+		cfg.Logger = coord.Config().Logger
+	}
+	switch {
+	case cfg.BatchSize < 0:
+		return nil, fmt.Errorf("pgidemriver: SweepConfig.BatchSize %d must not be negative", cfg.BatchSize)
+	case cfg.Pause < -1:
+		return nil, fmt.Errorf("pgidemriver: SweepConfig.Pause %s must not be negative, except -1 for none", cfg.Pause)
+	case cfg.Timeout < 0:
+		return nil, fmt.Errorf("pgidemriver: SweepConfig.Timeout %s must not be negative", cfg.Timeout)
+	}
+	return &SweepWorker{coord: coord, config: cfg}, nil
+}
+
+// Timeout returns [SweepConfig.Timeout]; River cancels the sweep's context after it.
+func (w *SweepWorker) Timeout(*river.Job[SweepArgs]) time.Duration { return w.config.Timeout }
+
+// Work sweeps until no expired row is left, or until the job's timeout: a sweep cut short
+// by its timeout returns nil (what it deleted stays deleted, the next period continues). A
+// database error is returned, and River retries the job.
+func (w *SweepWorker) Work(ctx context.Context, job *river.Job[SweepArgs]) error {
+	pause := max(w.config.Pause, 0)
+	res, err := w.coord.Sweep(ctx, &pgidem.SweepOpts{BatchSize: w.config.BatchSize, Pause: pause})
+	if res == nil {
+		res = &pgidem.SweepResult{}
+	}
+	attrs := []any{slog.Int64("job_id", job.ID), slog.Int64("records", res.Records), slog.Int64("inbox", res.Inbox)}
+	if res.Records > 0 || res.Inbox > 0 {
+		w.config.Logger.InfoContext(ctx, "pgidemriver: sweep deleted expired rows", attrs...)
+	}
+	if outErr := river.RecordOutput(ctx, res); outErr != nil {
+		w.config.Logger.WarnContext(ctx, "pgidemriver: sweep could not record output", slog.String("error", outErr.Error()))
+	}
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, context.DeadlineExceeded) && ctx.Err() != nil:
+		w.config.Logger.InfoContext(ctx, "pgidemriver: sweep stopped at its timeout; the next run continues", attrs...)
+		return nil
+	default:
+		w.config.Logger.ErrorContext(ctx, "pgidemriver: sweep failed", append(attrs, slog.String("error", err.Error()))...)
+		return fmt.Errorf("pgidemriver: sweep: %w", err)
+	}
+}
+
+// SweepPeriodicJobOpts are optional settings for [NewSweepPeriodicJob]; nil means defaults.
+type SweepPeriodicJobOpts struct {
+	// Interval is the time between sweeps. Default [SweepIntervalDefault] (5 min).
+	Interval time.Duration
+	// Queue is the queue the sweep job is inserted in. Default river.QueueDefault.
+	Queue string
+	// RunOnStartDisabled stops the leader from inserting a sweep as soon as it is elected.
+	// Default false: sweep on start (River's RunOnStart), as a hedge against leaders that
+	// never live a whole interval.
+	RunOnStartDisabled bool
+}
+
+// NewSweepPeriodicJob returns the periodic job that schedules [SweepArgs] every interval;
+// add it to river.Config.PeriodicJobs of clients that also register a [SweepWorker].
+// River's periodic enqueuer runs only on the elected leader, and the jobs are unique by
+// period (river.UniqueOpts.ByPeriod = interval), so a leader handover inside one period
+// does not insert a second sweep.
+func NewSweepPeriodicJob(opts *SweepPeriodicJobOpts) *river.PeriodicJob {
+	if opts == nil {
+		opts = &SweepPeriodicJobOpts{}
+	}
+	interval := cmp.Or(opts.Interval, SweepIntervalDefault)
+	queue := cmp.Or(opts.Queue, river.QueueDefault)
+	return river.NewPeriodicJob(
+		river.PeriodicInterval(interval),
+		func() (river.JobArgs, *river.InsertOpts) {
+			return SweepArgs{}, &river.InsertOpts{
+				Queue:       queue,
+				MaxAttempts: 3,
+				UniqueOpts:  river.UniqueOpts{ByPeriod: interval},
+			}
+		},
+		&river.PeriodicJobOpts{ID: SweepKind, RunOnStart: !opts.RunOnStartDisabled},
+	)
+}

@@ -331,10 +331,14 @@ func TestStats(t *testing.T) {
 
 	t.Run("Empty", func(t *testing.T) {
 		out := requireOK(t, cli(t, db.URL, "stats"))
-		require.Regexp(t, `^table pgidem_record: 0 records, \d+ kB\n$`, out)
+		require.Regexp(t, `^table pgidem_record: 0 records \(0 expired, not swept\), \d+ kB\n`+
+			`table pgidem_inbox: 0 messages \(0 expired, not swept\), \d+ kB\n$`, out)
 	})
 
 	insert(t, db.Pool, "pgidem_record", standardFixtures()...)
+	_, err := db.Pool.Exec(context.Background(), `INSERT INTO pgidem_inbox (consumer, message_id, expires_at)
+		VALUES ('billing', 'm-1', now() + interval '1 day'), ('billing', 'm-2', now() - interval '1 day')`)
+	require.NoError(t, err)
 
 	t.Run("Table", func(t *testing.T) {
 		out := requireOK(t, cli(t, db.URL, "stats"))
@@ -343,7 +347,8 @@ func TestStats(t *testing.T) {
 			"EXPIRED", "OLDEST", "IN", "PROGRESS", "AGE", "LEASE"}, strings.Fields(lines[0]))
 		require.Equal(t, []string{"invoices", "2", "1", "0", "1", "1", "0", "order-7.invoice", "4h0m", "expired", "1h0m", "ago"}, strings.Fields(lines[1]))
 		require.Equal(t, []string{"mail", "0", "1", "1", "0", "0", "1", "-", "-", "-"}, strings.Fields(lines[2]))
-		require.Regexp(t, `table pgidem_record: 5 records, \d+ kB`, out)
+		require.Regexp(t, `\ntable pgidem_record: 5 records \(1 expired, not swept\), \d+ kB\n`+
+			`table pgidem_inbox: 2 messages \(1 expired, not swept\), \d+ kB\n$`, out)
 	})
 
 	t.Run("JSON", func(t *testing.T) {
@@ -364,8 +369,14 @@ func TestStats(t *testing.T) {
 			Table struct {
 				Table     string `json:"table"`
 				Rows      int64  `json:"rows"`
+				Expired   int64  `json:"expired"`
 				SizeBytes int64  `json:"size_bytes"`
 			} `json:"table"`
+			Inbox *struct {
+				Table   string `json:"table"`
+				Rows    int64  `json:"rows"`
+				Expired int64  `json:"expired"`
+			} `json:"inbox"`
 		}
 		require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "stats", "--json"))), &stats))
 		require.Len(t, stats.Namespaces, 2)
@@ -377,8 +388,12 @@ func TestStats(t *testing.T) {
 		require.Less(t, inv.OldestInProgress.LeaseRemainingSeconds, float64(0))
 		require.Nil(t, stats.Namespaces[1].OldestInProgress)
 		require.Equal(t, int64(5), stats.Table.Rows)
+		require.Equal(t, int64(1), stats.Table.Expired)
 		require.Equal(t, "pgidem_record", stats.Table.Table)
 		require.Positive(t, stats.Table.SizeBytes)
+		require.NotNil(t, stats.Inbox)
+		require.Equal(t, "pgidem_inbox", stats.Inbox.Table)
+		require.Equal(t, []int64{2, 1}, []int64{stats.Inbox.Rows, stats.Inbox.Expired})
 	})
 }
 
@@ -537,7 +552,8 @@ func TestNonDefaultSchema(t *testing.T) {
 	out = requireOK(t, cli(t, db.URL, "--schema", schema, "records", "show", "invoices", "order-9.invoice"))
 	require.Contains(t, out, "result         1001\n")
 	out = requireOK(t, cli(t, db.URL, "--schema", schema, "stats"))
-	require.Contains(t, out, `table Idem Store.pgidem_record: 2 records`)
+	require.Contains(t, out, `table Idem Store.pgidem_record: 2 records (1 expired, not swept)`)
+	require.Contains(t, out, `table Idem Store.pgidem_inbox: 0 messages`)
 	line := requireFail(t, cli(t, db.URL, "records", "list"), 1)
 	require.Contains(t, line, "not found in the connection's search_path")
 	line = requireFail(t, cli(t, db.URL, "--schema", "elsewhere", "records", "list"), 1)
@@ -559,4 +575,26 @@ func TestNonDefaultSchema(t *testing.T) {
 		require.True(t, strings.HasPrefix(name, migrations.VersionTable), "left behind: %s", name)
 	}
 	require.True(t, strings.HasPrefix(requireOK(t, cli(t, db.URL, "--schema", schema, "migrate", "version")), "0 (latest is "))
+}
+
+// TestStatsWithoutInbox covers a database holding only the record table (migrations
+// vendored selectively): stats reports no inbox instead of failing.
+func TestStatsWithoutInbox(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.NewUnmigrated(t)
+	sqlDB, err := migrations.OpenDB(db.URL, "")
+	require.NoError(t, err)
+	defer sqlDB.Close()
+	provider, err := migrations.NewProvider(ctx, sqlDB, nil)
+	require.NoError(t, err)
+	_, err = provider.UpTo(ctx, 1)
+	require.NoError(t, err)
+
+	out := requireOK(t, cli(t, db.URL, "stats"))
+	require.Regexp(t, `^table pgidem_record: 0 records \(0 expired, not swept\), \d+ kB\n$`, out)
+	var stats map[string]any
+	require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "stats", "--json"))), &stats))
+	require.Contains(t, stats, "inbox")
+	require.Nil(t, stats["inbox"])
 }

@@ -10,6 +10,8 @@ import (
 type statsJSON struct {
 	Namespaces []namespaceStats `json:"namespaces"`
 	Table      *tableStats      `json:"table"`
+	// Inbox is null when the database has no inbox table.
+	Inbox *tableStats `json:"inbox"`
 }
 
 func (a *app) statsCommand() *cobra.Command {
@@ -19,8 +21,8 @@ func (a *app) statsCommand() *cobra.Command {
 		Long: `Prints, per namespace: records by status; LEASE EXPIRED, in-progress records whose
 holder stopped renewing the lease; TOOK OVER, records whose effect started more than once
 (attempts > 1); EXPIRED, records past their TTL not yet swept; and the oldest in-progress
-record with its lease. Then the record table's row count and total size (with indexes and
-TOAST).`,
+record with its lease. Then, for the record table and the inbox table, the row count,
+the expired rows not yet swept, and the total size (with indexes and TOAST).`,
 		Example: "  pgidem stats\n  pgidem stats --json",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
@@ -29,8 +31,12 @@ TOAST).`,
 				if err != nil {
 					return err
 				}
+				inbox, err := s.inboxStats(cmd.Context())
+				if err != nil {
+					return err
+				}
 				if a.json {
-					return printJSON(a.stdout, statsJSON{Namespaces: namespaces, Table: total})
+					return printJSON(a.stdout, statsJSON{Namespaces: namespaces, Table: total, Inbox: inbox})
 				}
 				if len(namespaces) > 0 {
 					t := newTable(a.stdout, "NAMESPACE", "IN PROGRESS", "COMPLETED", "FAILED",
@@ -48,7 +54,12 @@ TOAST).`,
 					}
 					fmt.Fprintln(a.stdout)
 				}
-				fmt.Fprintf(a.stdout, "table %s: %d records, %s\n", total.Table, total.Rows, total.SizePretty)
+				fmt.Fprintf(a.stdout, "table %s: %d records (%d expired, not swept), %s\n",
+					total.Table, total.Rows, total.Expired, total.SizePretty)
+				if inbox != nil {
+					fmt.Fprintf(a.stdout, "table %s: %d messages (%d expired, not swept), %s\n",
+						inbox.Table, inbox.Rows, inbox.Expired, inbox.SizePretty)
+				}
 				return nil
 			})
 		}),

@@ -15,6 +15,9 @@ import (
 // recordTable is the name of pgidem's record table (migrations/sql/00001).
 const recordTable = "pgidem_record"
 
+// inboxTable is the name of pgidem's inbox table (migrations/sql/00002).
+const inboxTable = "pgidem_inbox"
+
 // store runs the CLI's read and forget queries. Every identifier is quoted with
 // pgx.Identifier and every user-supplied value is a query parameter.
 type store struct {
@@ -24,18 +27,21 @@ type store struct {
 	table string
 	// display is the record table's name for people: schema.pgidem_record.
 	display string
+	// inbox and inboxDisplay are the same for the inbox table.
+	inbox, inboxDisplay string
 }
 
 func newStore(pool *pgxpool.Pool, schema string) *store {
-	ident := pgx.Identifier{recordTable}
-	if schema != "" {
-		ident = pgx.Identifier{schema, recordTable}
+	name := func(table string) (quoted, display string) {
+		if schema == "" {
+			return pgx.Identifier{table}.Sanitize(), table
+		}
+		return pgx.Identifier{schema, table}.Sanitize(), schema + "." + table
 	}
-	display := recordTable
-	if schema != "" {
-		display = schema + "." + recordTable
-	}
-	return &store{pool: pool, schema: schema, table: ident.Sanitize(), display: display}
+	s := &store{pool: pool, schema: schema}
+	s.table, s.display = name(recordTable)
+	s.inbox, s.inboxDisplay = name(inboxTable)
+	return s
 }
 
 // withStore connects and runs fn with a store.
@@ -289,10 +295,12 @@ type oldestInProgress struct {
 	LeaseRemainingSeconds float64   `json:"lease_remaining_seconds"`
 }
 
-// tableStats describes the record table as a whole.
+// tableStats describes a table as a whole.
 type tableStats struct {
-	Table      string `json:"table"`
-	Rows       int64  `json:"rows"`
+	Table string `json:"table"`
+	Rows  int64  `json:"rows"`
+	// Expired counts rows past their expiry that the sweep has not deleted yet.
+	Expired    int64  `json:"expired"`
 	SizeBytes  int64  `json:"size_bytes"`
 	SizePretty string `json:"size_pretty"`
 }
@@ -348,17 +356,48 @@ func (s *store) stats(ctx context.Context) ([]namespaceStats, *tableStats, error
 			}
 		}
 		total.Rows += ns.InProgress + ns.Completed + ns.Failed
+		total.Expired += ns.Expired
 		out = append(out, ns)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, nil, s.translate("stats", err)
 	}
-	// The table name is a parameter here, resolved by regclass: nothing is spliced.
-	err = s.pool.QueryRow(ctx,
-		"SELECT pg_total_relation_size($1::text::regclass), pg_size_pretty(pg_total_relation_size($1::text::regclass))",
-		s.table).Scan(&total.SizeBytes, &total.SizePretty)
-	if err != nil {
-		return nil, nil, s.translate("stats: table size", err)
+	if err := s.size(ctx, total, s.table); err != nil {
+		return nil, nil, err
 	}
 	return out, total, nil
+}
+
+// size fills in a table's total size (with indexes and TOAST). The quoted table name is a
+// parameter resolved by regclass: nothing is spliced.
+func (s *store) size(ctx context.Context, t *tableStats, quoted string) error {
+	err := s.pool.QueryRow(ctx,
+		"SELECT pg_total_relation_size($1::text::regclass), pg_size_pretty(pg_total_relation_size($1::text::regclass))",
+		quoted).Scan(&t.SizeBytes, &t.SizePretty)
+	if err != nil {
+		return s.translate("stats: table size", err)
+	}
+	return nil
+}
+
+// inboxStats describes the inbox table, or returns nil when the database has none (its
+// migration was not applied, for example when the files were vendored selectively).
+func (s *store) inboxStats(ctx context.Context) (*tableStats, error) {
+	var exists bool
+	if err := s.pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", s.inbox).Scan(&exists); err != nil {
+		return nil, s.translate("stats: inbox", err)
+	}
+	if !exists {
+		return nil, nil
+	}
+	t := &tableStats{Table: s.inboxDisplay}
+	err := s.pool.QueryRow(ctx,
+		"SELECT count(*), count(*) FILTER (WHERE expires_at <= now()) FROM "+s.inbox).Scan(&t.Rows, &t.Expired)
+	if err != nil {
+		return nil, s.translate("stats: inbox", err)
+	}
+	if err := s.size(ctx, t, s.inbox); err != nil {
+		return nil, err
+	}
+	return t, nil
 }

@@ -598,3 +598,59 @@ func TestStatsWithoutInbox(t *testing.T) {
 	require.Contains(t, stats, "inbox")
 	require.Nil(t, stats["inbox"])
 }
+
+func TestMigrateRiver(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	relationSchema := func(t *testing.T, db *testdb.DB, name string) []string {
+		t.Helper()
+		var schemas []string
+		require.NoError(t, db.Pool.QueryRow(ctx, `
+			SELECT coalesce(array_agg(n.nspname ORDER BY n.nspname), '{}')
+			FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+			WHERE c.relname = $1`, name).Scan(&schemas))
+		return schemas
+	}
+
+	t.Run("Default", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.NewUnmigrated(t)
+		out := requireOK(t, cli(t, db.URL, "migrate", "up", "--river"))
+		require.Contains(t, out, "applied 00001_create_pgidem_record.sql")
+		require.Contains(t, out, "applied River migration 001")
+		require.Contains(t, out, "River schema is now up to date\n")
+		require.Equal(t, []string{"public"}, relationSchema(t, db, "river_job"))
+		require.Equal(t, []string{"public"}, relationSchema(t, db, "pgidem_record"))
+
+		var res struct {
+			Applied []json.RawMessage `json:"applied"`
+			River   []struct {
+				Version int `json:"version"`
+			} `json:"river"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "migrate", "up", "--river", "--json"))), &res))
+		require.Empty(t, res.Applied)
+		require.NotNil(t, res.River)
+		require.Empty(t, res.River)
+		latest, _ := latestVersion(t)
+		require.Equal(t, "pgidem schema is up to date at version "+strconv.FormatInt(latest, 10)+"\nRiver schema is up to date\n",
+			requireOK(t, cli(t, db.URL, "migrate", "up", "--river")))
+		require.NotContains(t, requireOK(t, cli(t, db.URL, "migrate", "up", "--json")), "river")
+	})
+
+	t.Run("Schemas", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.NewUnmigrated(t)
+		requireOK(t, cli(t, db.URL, "--schema", "idem", "migrate", "up", "--river"))
+		require.Equal(t, []string{"idem"}, relationSchema(t, db, "river_job"))
+		require.Equal(t, []string{"idem"}, relationSchema(t, db, "pgidem_record"))
+
+		other := testdb.NewUnmigrated(t)
+		_, err := other.Pool.Exec(ctx, "CREATE SCHEMA queue")
+		require.NoError(t, err)
+		requireOK(t, cli(t, other.URL, "--schema", "idem", "migrate", "up", "--river", "--river-schema", "queue"))
+		require.Equal(t, []string{"queue"}, relationSchema(t, other, "river_job"))
+		require.Equal(t, []string{"idem"}, relationSchema(t, other, "pgidem_record"))
+	})
+}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -11,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/pgidem/pgidem/migrations"
+	pgidemriver "github.com/pgidem/pgidem/river"
 )
 
 func (a *app) migrateCommand() *cobra.Command {
@@ -40,6 +42,15 @@ type migrateResultJSON struct {
 	Applied    []migrationJSON `json:"applied"`
 	RolledBack []migrationJSON `json:"rolled_back"`
 	Version    int64           `json:"version"`
+	// River lists the River migrations migrate up --river applied; absent without --river.
+	River *[]riverMigrationJSON `json:"river,omitempty"`
+}
+
+// riverMigrationJSON is one River migration in --json output.
+type riverMigrationJSON struct {
+	Version    int     `json:"version"`
+	Name       string  `json:"name"`
+	DurationMS float64 `json:"duration_ms"`
 }
 
 // withProvider connects and runs fn with a goose provider for pgidem's migrations.
@@ -61,27 +72,37 @@ func (a *app) withProviderDB(ctx context.Context, db *sql.DB, fn func(*goose.Pro
 }
 
 func (a *app) migrateUpCommand() *cobra.Command {
-	return &cobra.Command{
-		Use:     "up",
-		Short:   "Apply every pending pgidem migration",
-		Example: "  pgidem migrate up --database-url postgres://app@db:5432/app",
+	var (
+		withRiver   bool
+		riverSchema string
+	)
+	cmd := &cobra.Command{
+		Use:   "up",
+		Short: "Apply every pending pgidem migration (and River's, with --river)",
+		Long: `Applies every pending pgidem migration under pgidem's version table and advisory lock.
+
+With --river it then applies River's pending migrations too (pgidemriver.MigrateRiver),
+holding the advisory lock pgidemriver.MigrateLockID: River's own migrator takes no lock, so
+two deploys migrating River at once would otherwise race. River's tables go to
+--river-schema, by default the --schema of pgidem's (or the search_path).`,
+		Example: "  pgidem migrate up --database-url postgres://app@db:5432/app\n  pgidem migrate up --river",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
-			return a.withProvider(ctx, func(p *goose.Provider) error {
+			out := migrateResultJSON{RolledBack: []migrationJSON{}}
+			err := a.withProvider(ctx, func(p *goose.Provider) error {
 				results, err := p.Up(ctx)
-				out := migrateResultJSON{Applied: resultsJSON(results), RolledBack: []migrationJSON{}}
+				out.Applied = resultsJSON(results)
+				a.printMigrations("applied", results)
 				if err != nil {
-					a.printMigrations("applied", results)
 					return fmt.Errorf("pgidem: migrate up: %w", err)
 				}
 				if out.Version, err = p.GetDBVersion(ctx); err != nil {
 					return fmt.Errorf("pgidem: migrate up: read version: %w", err)
 				}
 				if a.json {
-					return printJSON(a.stdout, out)
+					return nil
 				}
-				a.printMigrations("applied", results)
 				if len(results) == 0 {
 					fmt.Fprintf(a.stdout, "pgidem schema is up to date at version %d\n", out.Version)
 				} else {
@@ -89,8 +110,55 @@ func (a *app) migrateUpCommand() *cobra.Command {
 				}
 				return nil
 			})
+			if err != nil {
+				return err
+			}
+			if withRiver {
+				applied, err := a.migrateRiver(ctx, cmp.Or(riverSchema, a.schema))
+				if err != nil {
+					return err
+				}
+				out.River = &applied
+			}
+			if a.json {
+				return printJSON(a.stdout, out)
+			}
+			return nil
 		}),
 	}
+	cmd.Flags().BoolVar(&withRiver, "river", false, "also apply River's migrations, under an advisory lock")
+	cmd.Flags().StringVar(&riverSchema, "river-schema", "", "schema of River's tables (default: --schema, else the search_path)")
+	return cmd
+}
+
+// migrateRiver applies River's pending migrations under pgidemriver's advisory lock.
+func (a *app) migrateRiver(ctx context.Context, schema string) ([]riverMigrationJSON, error) {
+	pool, err := a.connectPool(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer pool.Close()
+	res, err := pgidemriver.MigrateRiver(ctx, pool, &pgidemriver.MigrateOpts{Schema: schema})
+	applied := []riverMigrationJSON{}
+	if res != nil {
+		for _, v := range res.Versions {
+			applied = append(applied, riverMigrationJSON{
+				Version: v.Version, Name: v.Name, DurationMS: float64(v.Duration.Microseconds()) / 1000,
+			})
+			if !a.json {
+				fmt.Fprintf(a.stdout, "applied River migration %03d %s (%s)\n", v.Version, v.Name, v.Duration.Round(time.Millisecond))
+			}
+		}
+	}
+	if err != nil {
+		return applied, fmt.Errorf("pgidem: migrate up --river: %w", err)
+	}
+	if !a.json && len(applied) == 0 {
+		fmt.Fprintln(a.stdout, "River schema is up to date")
+	} else if !a.json {
+		fmt.Fprintln(a.stdout, "River schema is now up to date")
+	}
+	return applied, nil
 }
 
 func (a *app) migrateDownCommand() *cobra.Command {

@@ -139,8 +139,9 @@ func TestRecordsList(t *testing.T) {
 		require.Len(t, lines, 6)
 		require.Equal(t, []string{"NAMESPACE", "KEY", "STATUS", "ATTEMPTS", "AGE", "LEASE", "EXPIRES"}, strings.Fields(lines[0]))
 		// Newest first.
-		require.Equal(t, []string{"invoices", "order-10.invoice", "in_progress", "1", "1m0s", "in", "1h0m", "in", "1d0h"}, strings.Fields(lines[1]))
-		require.Equal(t, []string{"mail", "order-8.receipt", "completed", "1", "2h0m", "-", "in", "1h0m"}, strings.Fields(lines[3]))
+		require.Equal(t, []string{"invoices", "order-10.invoice", "in_progress", "1", "1h0m", "in", "1h0m", "in", "1d0h"}, strings.Fields(lines[1]))
+		require.Equal(t, []string{"invoices", "order-9.invoice", "completed", "2", "2h0m", "-", "in", "23h0m"}, strings.Fields(lines[2]))
+		require.Equal(t, []string{"mail", "order-8.receipt", "completed", "1", "3h0m", "-", "in", "1h0m"}, strings.Fields(lines[3]))
 		require.Equal(t, []string{"invoices", "order-7.invoice", "in_progress", "1", "4h0m", "expired", "1h0m", "ago", "in", "20h0m"}, strings.Fields(lines[4]))
 		require.Equal(t, []string{"mail", "order-9.receipt", "failed", "1", "1d1h", "-", "expired", "1h0m", "ago"}, strings.Fields(lines[5]))
 	})
@@ -178,7 +179,7 @@ func TestRecordsList(t *testing.T) {
 		require.Equal(t, true, r["took_over"])
 		require.Equal(t, map[string]any{"invoice_id": "inv_1001", "amount_cents": float64(4200)}, r["result"])
 		require.Nil(t, r["lease_remaining_seconds"])
-		require.InDelta(t, 3600, r["age_seconds"], 600)
+		require.InDelta(t, 7230, r["age_seconds"], 600)
 	})
 
 	t.Run("BadFilters", func(t *testing.T) {

@@ -7,7 +7,8 @@
 //
 // # Commands
 //
-//	pgidem migrate up|down|status|version   pgidem's schema (own version table and lock)
+//	pgidem migrate up|down|status|version   pgidem's schema (own version table and lock);
+//	                                        up --river also migrates River under a lock
 //	pgidem records list                     records, filtered by namespace, status, attempts, expiry
 //	pgidem records show NAMESPACE KEY       one record in full
 //	pgidem records forget NAMESPACE KEY     delete a record so its effect can run again
@@ -20,8 +21,9 @@
 // libpq's PG* variables (PGHOST, PGPORT, PGUSER, PGDATABASE, PGPASSWORD, PGSERVICE, …) with
 // libpq's defaults. Both URLs (postgres://user@host:5432/db) and keyword/value strings
 // (host=… dbname=…) are accepted. Without a connect_timeout in the connection string the
-// CLI gives up connecting after [connectTimeoutDefault]. --schema names the schema holding
-// pgidem's tables; by default they are found through the connection's search_path.
+// CLI gives up connecting after 10 seconds. A connection error names the address tried and
+// where it came from, never the password. --schema names the schema holding pgidem's
+// tables; by default they are found through the connection's search_path.
 //
 // # Output and exit codes
 //

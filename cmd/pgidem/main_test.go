@@ -147,18 +147,20 @@ func countRecords(t *testing.T, pool *pgxpool.Pool, table string) int {
 }
 
 // standardFixtures is a small incident: a double-run invoice, a live and a dead holder, an
-// expired failure.
+// expired failure. Every time is half a minute past a whole minute, so the CLI's rounded
+// durations ("1h0m", "expired 1h0m ago") hold for any run shorter than 30 seconds.
 func standardFixtures() []fixture {
+	const half = 30 * time.Second
 	return []fixture{
 		{namespace: "invoices", key: "order-9.invoice", status: "completed", attempts: 2,
-			result: ptr(`{"invoice_id": "inv_1001", "amount_cents": 4200}`), expiresIn: 23 * time.Hour, age: time.Hour},
+			result: ptr(`{"invoice_id": "inv_1001", "amount_cents": 4200}`), expiresIn: 23*time.Hour + half, age: 2*time.Hour + half},
 		{namespace: "invoices", key: "order-10.invoice", status: "in_progress",
-			leaseIn: time.Hour, expiresIn: 24 * time.Hour, age: time.Minute},
+			leaseIn: time.Hour + half, expiresIn: 24*time.Hour + half, age: time.Hour + half},
 		{namespace: "invoices", key: "order-7.invoice", status: "in_progress",
-			leaseIn: -time.Hour, expiresIn: 20 * time.Hour, age: 4 * time.Hour},
+			leaseIn: -time.Hour - half, expiresIn: 20*time.Hour + half, age: 4*time.Hour + half},
 		{namespace: "mail", key: "order-9.receipt", status: "failed",
-			errJSON: ptr(`{"message": "mailbox unavailable"}`), expiresIn: -time.Hour, age: 25 * time.Hour},
+			errJSON: ptr(`{"message": "mailbox unavailable"}`), expiresIn: -time.Hour - half, age: 25*time.Hour + half},
 		{namespace: "mail", key: "order-8.receipt", status: "completed",
-			result: ptr(`null`), expiresIn: time.Hour, age: 2 * time.Hour},
+			result: ptr(`null`), expiresIn: time.Hour + half, age: 3*time.Hour + half},
 	}
 }

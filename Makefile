@@ -30,6 +30,7 @@ lint:
 demo:
 	$(GO) run ./examples/lab
 	$(GO) run ./examples/consumer
+	$(GO) run ./examples/riverworker
 
 ## bench: benchmarks beside their raw-SQL baselines (see docs/performance.md).
 bench:

@@ -22,7 +22,9 @@ import (
 	pgidemriver "github.com/pgidem/pgidem/river"
 )
 
-const crashEnvURL = "PGIDEMRIVER_CRASH_CHILD_URL"
+const (
+	crashEnvURL = "PGIDEMRIVER_CRASH_CHILD_URL"
+)
 
 // crashChild runs the child half of TestCrashBeforeCompletion when the test binary is
 // re-executed for it, and reports whether it did. The child works the job through the
@@ -53,7 +55,14 @@ func crashChild() bool {
 	}
 	workers := river.NewWorkers()
 	pgidemriver.AddWorker(workers, mw, &effectWorker[InvoiceArgs]{pool: pool})
+	river.AddWorker(workers, &shipWorker{coord: coord, inTx: func() {
+		fmt.Println("in tx")
+		select {} // the parent kills us mid-transaction
+	}})
 	hold := river.WorkerMiddlewareFunc(func(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
+		if job.Kind != (InvoiceArgs{}).Kind() {
+			return doInner(ctx)
+		}
 		if err := doInner(ctx); err != nil {
 			fail(err)
 		}
@@ -86,16 +95,7 @@ func TestCrashBeforeCompletion(t *testing.T) {
 	b := setup(t)
 	id := b.insert(t, InvoiceArgs{OrderID: 9}, nil)
 
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), crashEnvURL+"="+b.db.URL)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	line, err := bufio.NewReader(stdout).ReadString('\n')
-	require.NoError(t, err)
-	require.Equal(t, "done", strings.TrimSpace(line), "child output")
-	require.NoError(t, cmd.Process.Signal(syscall.SIGKILL))
-	_ = cmd.Wait()
+	runChildUntil(t, b.db.URL, "done")
 
 	require.Equal(t, 1, b.effects(t))
 	require.Equal(t, rivertype.JobStateRunning, b.job(t, id).State, "River never recorded the completion")
@@ -125,4 +125,20 @@ func TestCrashBeforeCompletion(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 1, rec.Attempts)
 	require.JSONEq(t, string(replayed.Output), string(job.Output()), "the retry carries the first run's receipt")
+}
+
+// runChildUntil re-executes the test binary as a crash child working jobs on dbURL, waits
+// until it prints want, and SIGKILLs it.
+func runChildUntil(t *testing.T, dbURL, want string) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), crashEnvURL+"="+dbURL)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	require.NoError(t, err)
+	require.NoError(t, cmd.Process.Signal(syscall.SIGKILL))
+	_ = cmd.Wait()
+	require.Equal(t, want, strings.TrimSpace(line), "child output")
 }

@@ -1,0 +1,114 @@
+package pgidemriver_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivertype"
+
+	"github.com/pgidem/pgidem/internal/testdb"
+	"github.com/pgidem/pgidem/pgidem"
+	pgidemriver "github.com/pgidem/pgidem/river"
+)
+
+// NoopArgs are a no-op job naming a distinct effect per job.
+type NoopArgs struct {
+	N int `json:"n"`
+}
+
+func (NoopArgs) Kind() string { return "bench.noop" }
+
+func (a NoopArgs) IdempotencyKey() string { return fmt.Sprintf("noop-%d", a.N) }
+
+type noopWorker struct {
+	river.WorkerDefaults[NoopArgs]
+}
+
+func (*noopWorker) Work(context.Context, *river.Job[NoopArgs]) error { return nil }
+
+// BenchmarkRiverThroughput works b.N no-op jobs through a River client, without and with
+// the middleware (every job a fresh key: reserve + complete), and reports jobs/s. The jobs
+// are inserted before the timer starts; the timer covers the client working all of them.
+//
+//	go test -run '^$' -bench RiverThroughput -benchtime 3000x -count 6 ./river/
+func BenchmarkRiverThroughput(b *testing.B) {
+	for _, withMiddleware := range []bool{false, true} {
+		name := "Plain"
+		if withMiddleware {
+			name = "Middleware"
+		}
+		b.Run(name, func(b *testing.B) {
+			ctx := context.Background()
+			db := testdb.New(b)
+			if _, err := pgidemriver.MigrateRiver(ctx, db.Pool, nil); err != nil {
+				b.Fatal(err)
+			}
+			coord, err := pgidem.NewCoordinator(db.Pool, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			workers := river.NewWorkers()
+			var middleware []rivertype.Middleware
+			if withMiddleware {
+				mw, err := pgidemriver.NewMiddleware(coord, nil)
+				if err != nil {
+					b.Fatal(err)
+				}
+				pgidemriver.AddWorker(workers, mw, &noopWorker{})
+				middleware = append(middleware, mw)
+			} else {
+				river.AddWorker(workers, &noopWorker{})
+			}
+			client, err := river.NewClient(riverpgxv5.New(db.Pool), &river.Config{
+				FetchCooldown:     10 * time.Millisecond,
+				FetchPollInterval: 10 * time.Millisecond,
+				Logger:            slog.New(slog.DiscardHandler),
+				Middleware:        middleware,
+				Queues:            map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 50}},
+				TestOnly:          true,
+				Workers:           workers,
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			params := make([]river.InsertManyParams, b.N)
+			for i := range params {
+				params[i] = river.InsertManyParams{Args: NoopArgs{N: i}}
+			}
+			for start := 0; start < len(params); start += 1000 {
+				if _, err := client.InsertManyFast(ctx, params[start:min(start+1000, len(params))]); err != nil {
+					b.Fatal(err)
+				}
+			}
+
+			b.ResetTimer()
+			begin := time.Now()
+			if err := client.Start(ctx); err != nil {
+				b.Fatal(err)
+			}
+			for {
+				var done int
+				if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM river_job WHERE state = 'completed'").Scan(&done); err != nil {
+					b.Fatal(err)
+				}
+				if done == b.N {
+					break
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			elapsed := time.Since(begin)
+			b.StopTimer()
+			b.ReportMetric(float64(b.N)/elapsed.Seconds(), "jobs/s")
+			stopCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			defer cancel()
+			if err := client.Stop(stopCtx); err != nil {
+				b.Fatal(err)
+			}
+		})
+	}
+}

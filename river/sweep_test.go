@@ -1,0 +1,139 @@
+package pgidemriver_test
+
+import (
+	"context"
+	"encoding/json"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivermigrate"
+	"github.com/riverqueue/river/rivertype"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgidem/pgidem/internal/testdb"
+	"github.com/pgidem/pgidem/pgidem"
+	pgidemriver "github.com/pgidem/pgidem/river"
+)
+
+// TestSweeper: the periodic sweep removes expired records and keeps live ones; two
+// clients sweeping at once both succeed.
+func TestSweeper(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const expired = 3000
+	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, expires_at, completed_at)
+		SELECT 'mail.invoice', 'old-' || i, 'completed', gen_random_uuid(), now() - interval '1 hour', now() - interval '2 hours'
+		FROM generate_series(1, $1) AS i`, expired)
+	require.NoError(t, err)
+	_, err = pgidem.Do(b.ctx, b.coord, "mail.invoice", "order-9.invoice", testTTL, nil,
+		func(context.Context) (string, error) { return "em_1", nil })
+	require.NoError(t, err)
+
+	newClientConfig := func() *river.Config {
+		sweeper, err := pgidemriver.NewSweepWorker(b.coord, &pgidemriver.SweepConfig{BatchSize: 100, Pause: -1})
+		require.NoError(t, err)
+		workers := river.NewWorkers()
+		river.AddWorker(workers, sweeper)
+		cfg := riverConfig(t, workers)
+		cfg.PeriodicJobs = []*river.PeriodicJob{pgidemriver.NewSweepPeriodicJob(nil)}
+		return cfg
+	}
+	clientA := b.startClient(t, newClientConfig())
+	clientB := b.startClient(t, newClientConfig())
+
+	// Besides the leader's run-on-start sweep, each client gets one more at the same time.
+	var ids []int64
+	for _, c := range []*river.Client[pgx.Tx]{clientA, clientB} {
+		res, err := c.Insert(b.ctx, pgidemriver.SweepArgs{}, nil)
+		require.NoError(t, err)
+		ids = append(ids, res.Job.ID)
+	}
+	var swept int64
+	for _, id := range ids {
+		job := b.waitJob(t, id, rivertype.JobStateCompleted)
+		require.Empty(t, job.Errors)
+	}
+	// The periodic job (unique by period) ran on start on the leader.
+	periodic := b.waitKind(t, pgidemriver.SweepKind, 3)
+	for _, job := range periodic {
+		job = b.waitJob(t, job.ID, rivertype.JobStateCompleted)
+		require.Empty(t, job.Errors)
+		var out pgidem.SweepResult
+		require.NoError(t, json.Unmarshal(job.Output(), &out))
+		swept += out.Records
+	}
+
+	require.EqualValues(t, expired, swept, "each expired row deleted exactly once across the sweeps")
+	require.EqualValues(t, expired, b.events.get(pgidem.EventSwept))
+	var left int
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, "SELECT count(*) FROM pgidem_record").Scan(&left))
+	require.Equal(t, 1, left)
+	_, err = b.coord.Lookup(b.ctx, "mail.invoice", "order-9.invoice")
+	require.NoError(t, err, "the live record is kept")
+}
+
+// waitKind polls until n jobs of kind exist and returns them.
+func (b *bundle) waitKind(t *testing.T, kind string, n int) []*rivertype.JobRow {
+	t.Helper()
+	client, err := river.NewClient(riverpgxv5.New(b.db.Pool), &river.Config{})
+	require.NoError(t, err)
+	deadline := time.Now().Add(waitCap)
+	for {
+		res, err := client.JobList(b.ctx, river.NewJobListParams().Kinds(kind).First(100))
+		require.NoError(t, err)
+		if len(res.Jobs) >= n {
+			return res.Jobs
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d jobs of kind %s after %s, want %d", len(res.Jobs), kind, waitCap, n)
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+// TestMigrateRiverConcurrent: four deploys migrating River at once all succeed, and each
+// migration is applied once.
+func TestMigrateRiverConcurrent(t *testing.T) {
+	t.Parallel()
+	db := testdb.NewUnmigrated(t)
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	applied := make([]int, 4)
+	for i := range errs {
+		wg.Go(func() {
+			// A pool of its own per "deploy", like separate processes.
+			pool, err := pgxpool.New(ctx, db.URL)
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			defer pool.Close()
+			res, err := pgidemriver.MigrateRiver(ctx, pool, nil)
+			errs[i] = err
+			if res != nil {
+				applied[i] = len(res.Versions)
+			}
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		require.NoError(t, err, "deploy %d", i)
+	}
+	migrator, err := rivermigrate.New(riverpgxv5.New(db.Pool), nil)
+	require.NoError(t, err)
+	all := len(migrator.AllVersions())
+	total := 0
+	for _, n := range applied {
+		total += n
+	}
+	require.Equal(t, all, total, "every migration applied by exactly one deploy")
+	existing, err := migrator.ExistingVersions(ctx)
+	require.NoError(t, err)
+	require.Len(t, existing, all)
+}

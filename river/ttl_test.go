@@ -1,0 +1,76 @@
+package pgidemriver_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgidem/pgidem/pgidem"
+	pgidemriver "github.com/pgidem/pgidem/river"
+)
+
+// WeeklyArgs keep their records for a week and retry three times.
+type WeeklyArgs struct{}
+
+func (WeeklyArgs) Kind() string                  { return "report.weekly" }
+func (WeeklyArgs) IdempotencyKey() string        { return "week" }
+func (WeeklyArgs) IdempotencyTTL() time.Duration { return 7 * 24 * time.Hour }
+func (WeeklyArgs) InsertOpts() river.InsertOpts  { return river.InsertOpts{MaxAttempts: 3} }
+
+type constantPolicy time.Duration
+
+func (p constantPolicy) NextRetry(*rivertype.JobRow) time.Time {
+	return time.Now().Add(time.Duration(p))
+}
+
+func TestRetryHorizon(t *testing.T) {
+	t.Parallel()
+	// River's default: n^4 s after the n-th failure, +10 % jitter at most.
+	require.Equal(t, time.Duration((1+16)*1.1*float64(time.Second)), pgidemriver.RetryHorizon(nil, 3))
+	require.Equal(t, pgidemriver.RetryHorizon(nil, 3), pgidemriver.RetryHorizon(&river.DefaultClientRetryPolicy{}, 3))
+	require.Zero(t, pgidemriver.RetryHorizon(nil, 1))
+	// 25 attempts (River's default) span about three weeks.
+	require.InDelta(t, 22.4, pgidemriver.RetryHorizon(nil, river.MaxAttemptsDefault).Hours()/24, 0.1)
+
+	got := pgidemriver.RetryHorizon(constantPolicy(10*time.Second), 3)
+	require.InDelta(t, (20 * time.Second).Seconds(), got.Seconds(), 0.5)
+}
+
+func TestCheckTTL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	// NewCoordinator and CheckTTL never touch the database.
+	pool, err := pgxpool.New(ctx, "postgres://127.0.0.1:1/none")
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	coord, err := pgidem.NewCoordinator(pool, nil)
+	require.NoError(t, err)
+	mw, err := pgidemriver.NewMiddleware(coord, &pgidemriver.Config{Logger: testLogger(t)})
+	require.NoError(t, err)
+	mw.Register(InvoiceArgs{}, WeeklyArgs{}, pgidemriver.SweepArgs{})
+
+	// River's defaults: 25 attempts and 7 days of discarded retention outlive 24 h.
+	warnings := mw.CheckTTL(ctx, &river.Config{})
+	require.Len(t, warnings, 2)
+	require.Equal(t, "mail.invoice", warnings[0].Kind)
+	require.Equal(t, pgidemriver.TTLDefault, warnings[0].TTL)
+	require.Equal(t, river.MaxAttemptsDefault, warnings[0].MaxAttempts)
+	require.Equal(t, pgidemriver.DiscardedJobRetentionDefault, warnings[0].DiscardedRetention)
+	require.Equal(t, warnings[0].Retries+warnings[0].DiscardedRetention, warnings[0].Horizon)
+	require.Equal(t, "report.weekly", warnings[1].Kind)
+	require.Equal(t, 3, warnings[1].MaxAttempts)
+	require.Equal(t, 7*24*time.Hour, warnings[1].TTL)
+
+	// Few attempts and a short discarded retention: both kinds covered.
+	require.Empty(t, mw.CheckTTL(ctx, &river.Config{MaxAttempts: 5, DiscardedJobRetentionPeriod: 12 * time.Hour}))
+
+	// Discarded jobs kept forever can be retried by hand forever.
+	warnings = mw.CheckTTL(ctx, &river.Config{MaxAttempts: 5, DiscardedJobRetentionPeriod: -1})
+	require.Len(t, warnings, 2)
+	require.Equal(t, pgidemriver.HorizonInfinite, warnings[0].Horizon)
+}

@@ -39,6 +39,9 @@ const (
 	// while waiting for an in-progress record ([InFlightWait]).
 	PollIntervalMinDefault = 10 * time.Millisecond
 	PollIntervalMaxDefault = time.Second
+	// PollIntervalMaxMax bounds [Config.PollIntervalMax]: a waiter should notice a
+	// completed record within a minute.
+	PollIntervalMaxMax = time.Minute
 )
 
 // InFlightPolicy says what a call does when the key's record is in progress under another
@@ -95,7 +98,7 @@ type Config struct {
 
 	// PollIntervalMin and PollIntervalMax bound the jittered exponential backoff between
 	// reads while waiting. Defaults [PollIntervalMinDefault] (10 ms) and
-	// [PollIntervalMaxDefault] (1 s).
+	// [PollIntervalMaxDefault] (1 s); the maximum may not exceed [PollIntervalMaxMax].
 	PollIntervalMin time.Duration
 	PollIntervalMax time.Duration
 
@@ -154,8 +157,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("pgidem: Config.InFlight %d is not a known policy", c.InFlight)
 	case c.WaitTimeout < 0:
 		return fmt.Errorf("pgidem: Config.WaitTimeout %s must not be negative", c.WaitTimeout)
-	case c.PollIntervalMin < 0 || c.PollIntervalMax < c.PollIntervalMin:
-		return fmt.Errorf("pgidem: Config.PollIntervalMin %s and Config.PollIntervalMax %s must satisfy 0 <= min <= max", c.PollIntervalMin, c.PollIntervalMax)
+	case c.PollIntervalMin < 0 || c.PollIntervalMax < c.PollIntervalMin || c.PollIntervalMax > PollIntervalMaxMax:
+		return fmt.Errorf("pgidem: Config.PollIntervalMin %s and Config.PollIntervalMax %s must satisfy 0 <= min <= max <= %s", c.PollIntervalMin, c.PollIntervalMax, PollIntervalMaxMax)
 	case c.FinishTimeout < 0:
 		return fmt.Errorf("pgidem: Config.FinishTimeout %s must not be negative", c.FinishTimeout)
 	case c.MaxKeyBytes < 1 || c.MaxNamespaceBytes < 1 || c.MaxKeyBytes+c.MaxNamespaceBytes > MaxKeyBytesMax:

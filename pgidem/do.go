@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -111,7 +112,9 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 	acq, err := c.acquire(ctx, call)
 	res.Waited, res.TookOver = acq.waited, acq.tookOver
 	if err != nil {
-		if c.config.FailOpen && errors.Is(err, ErrStoreUnavailable) {
+		// Fail open only when the store could not be read at all: once a record was seen
+		// (a live holder, say), running fn would run it beside the holder.
+		if c.config.FailOpen && errors.Is(err, ErrStoreUnavailable) && !acq.sawRecord && ctx.Err() == nil {
 			c.config.Logger.WarnContext(ctx, "pgidem: store unavailable, running effect unprotected (FailOpen)",
 				slog.String("namespace", namespace), slog.String("key", key), slog.String("error", err.Error()))
 			c.emit(ctx, EventFailOpen, namespace, 1)
@@ -166,10 +169,7 @@ func (c *Coordinator) newCall(namespace, key string, ttl time.Duration, opts *Do
 		policy:      orDefault(opts.InFlight, c.config.InFlight),
 		fingerprint: opts.Fingerprint,
 	}
-	if cl.lease < LeaseMin {
-		return nil, fmt.Errorf("%w: DoOpts.Lease %s is below the minimum %s", ErrInvalidTTL, cl.lease, LeaseMin)
-	}
-	if ttl < c.config.MinTTL || cl.lease >= ttl {
+	if ttl < c.config.MinTTL || cl.lease < LeaseMin || cl.lease >= ttl {
 		return nil, &InvalidTTLError{TTL: ttl, MinTTL: c.config.MinTTL, Lease: cl.lease}
 	}
 	if opts.WaitTimeout < 0 {
@@ -192,14 +192,16 @@ func orDefault[T comparable](v, def T) T {
 // acquisition is the outcome of acquire: either this caller holds the reservation (held),
 // or row is a completed or failed record to replay.
 type acquisition struct {
-	held     bool
-	row      row
-	waited   bool
-	tookOver bool
+	held      bool
+	row       row
+	waited    bool
+	tookOver  bool
+	sawRecord bool // a record was read: the store answered and the key is in use
 }
 
-// maxSnapshotRetries bounds the reserve statement's "row committed after my snapshot"
-// retries, which resolve on the next statement in practice.
+// maxSnapshotRetries is how many times the reserve statement is re-run at once after
+// finding a row committed after its snapshot (resolved by the next statement in practice)
+// before pausing for a poll interval.
 const maxSnapshotRetries = 10
 
 // acquire reserves the key, takes over an available record, or waits/raises for an
@@ -220,10 +222,15 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		var r row
 		err := c.pool.QueryRow(ctx, c.sql.lookup, cl.namespace, cl.key).Scan(r.scanTargets(false)...)
 		if errors.Is(err, pgx.ErrNoRows) {
-			err = c.pool.QueryRow(ctx, c.sql.reserve, cl.namespace, cl.key, owner, cl.fingerprint,
-				micros(cl.lease), micros(cl.ttl)).Scan(r.scanTargets(true)...)
-			if errors.Is(err, pgx.ErrNoRows) && snapshotRetries < maxSnapshotRetries {
-				snapshotRetries++
+			r, err = c.reserveWrite(ctx, c.sql.reserve, cl, owner)
+			if errors.Is(err, pgx.ErrNoRows) {
+				// The conflicting row committed after the statement's snapshot (or was
+				// deleted in between): run it again, pausing if the key churns.
+				if snapshotRetries++; snapshotRetries%maxSnapshotRetries == 0 {
+					if err := sleepCtx(ctx, jitter(c.config.PollIntervalMin)); err != nil {
+						return acq, err
+					}
+				}
 				continue
 			}
 		}
@@ -232,8 +239,9 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		}
 		if r.inserted {
 			acq.held, acq.row = true, r
-			return acq, nil
+			return acq, c.releaseIfCancelled(ctx, cl, owner)
 		}
+		acq.sawRecord = true
 
 		if mismatch(cl.fingerprint, &r) {
 			c.config.Logger.WarnContext(ctx, "pgidem: fingerprint mismatch",
@@ -243,9 +251,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		}
 
 		if r.available() {
-			var t row
-			err := c.pool.QueryRow(ctx, c.sql.takeover, cl.namespace, cl.key, owner, cl.fingerprint,
-				micros(cl.lease), micros(cl.ttl)).Scan(t.scanTargets(true)...)
+			t, err := c.reserveWrite(ctx, c.sql.takeover, cl, owner)
 			if errors.Is(err, pgx.ErrNoRows) {
 				continue // another caller took it over first (or it was deleted): read again
 			}
@@ -259,7 +265,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 					slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", t.attempts))
 				c.emit(ctx, EventTakenOver, cl.namespace, 1)
 			}
-			return acq, nil
+			return acq, c.releaseIfCancelled(ctx, cl, owner)
 		}
 
 		if r.status != StatusInProgress {
@@ -289,14 +295,44 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		// may then be due) and when the wait budget ends.
 		sleep := min(jitter(backoff), retryAfter+time.Millisecond, remaining)
 		backoff = min(backoff*2, c.config.PollIntervalMax)
-		timer := time.NewTimer(sleep)
-		select {
-		case <-ctx.Done():
-			timer.Stop()
-			return acq, ctx.Err()
-		case <-timer.C:
+		if err := sleepCtx(ctx, sleep); err != nil {
+			return acq, err
 		}
-		snapshotRetries = 0
+	}
+}
+
+// reserveWrite runs a reserving statement (the insert or the takeover) on a context
+// detached from the caller's and bounded by FinishTimeout, so its outcome is always known:
+// a reservation committed on the server but abandoned by a cancelled client would block
+// the key for a lease and then count as a takeover that never was.
+func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call, owner pgtype.UUID) (row, error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
+	defer cancel()
+	var r row
+	err := c.pool.QueryRow(ctx, sql, cl.namespace, cl.key, owner, cl.fingerprint,
+		micros(cl.lease), micros(cl.ttl)).Scan(r.scanTargets(true)...)
+	return r, err
+}
+
+// releaseIfCancelled gives back a reservation just made when the caller's context ended
+// while it was being made, and returns the context's error; otherwise nil.
+func (c *Coordinator) releaseIfCancelled(ctx context.Context, cl *call, owner pgtype.UUID) error {
+	if ctx.Err() == nil {
+		return nil
+	}
+	_ = c.finish(ctx, cl, owner, "release", c.sql.release)
+	return ctx.Err()
+}
+
+// sleepCtx sleeps for d or until ctx ends, returning ctx's error in that case.
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-timer.C:
+		return nil
 	}
 }
 
@@ -341,6 +377,11 @@ func decodeReplay[T any](cl *call, r row, value *T) error {
 
 // run executes fn under the held reservation with a heartbeat, then finishes the record.
 // encode is called after fn succeeded to produce the JSON result.
+//
+// The finishing write is always attempted, even when the heartbeat gave up on the lease: a
+// failed renewal only means the lease may be lost, and only an owner-conditional write that
+// matches no row proves it. Completing a record that nobody took over is what keeps the
+// effect from running again.
 func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn func(context.Context) error, encode func() ([]byte, error)) error {
 	fnCtx, cancel := context.WithCancelCause(withKey(ctx, cl.namespace, cl.key))
 	defer cancel(nil)
@@ -348,35 +389,31 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 
 	finished := false
 	defer func() {
-		if !finished { // fn panicked: release, then let the panic continue
+		if !finished { // fn panicked (or called runtime.Goexit): release, let the panic continue
 			hb.stop()
-			c.finish(ctx, cl, owner, "release", c.sql.release)
+			_ = c.finish(ctx, cl, owner, "release", c.sql.release)
 		}
 	}()
 	fnErr := fn(fnCtx)
 	finished = true
-	lost := hb.stop()
+	hb.stop()
 
 	if fnErr != nil {
 		var permanent *PermanentError
+		var err error
 		if errors.As(fnErr, &permanent) {
 			failure, _ := json.Marshal(storedFailure{Message: permanent.Error()})
-			if !lost {
-				lost = c.finish(ctx, cl, owner, "complete", c.sql.complete, StatusFailed, nil, failure, micros(cl.ttl)) == errFinishNoRow
-			}
-		} else if !lost {
-			lost = c.finish(ctx, cl, owner, "release", c.sql.release) == errFinishNoRow
+			err = c.finish(ctx, cl, owner, "complete", c.sql.complete, StatusFailed, nil, failure, micros(cl.ttl))
+		} else {
+			err = c.finish(ctx, cl, owner, "release", c.sql.release)
 		}
-		if lost {
+		if err == errFinishNoRow {
 			c.leaseLost(ctx, cl)
 		}
 		return fnErr
 	}
 
-	result, encErr := encode()
-	if encErr == nil && bytes.Contains(result, []byte(`\u0000`)) {
-		encErr = errors.New("a string contains a NUL character, which jsonb cannot store")
-	}
+	result, panicked, encErr := encodeResult(encode)
 	status, failure := StatusCompleted, []byte(nil)
 	if encErr != nil {
 		// The effect happened; never release (that would run it again). Store the failure.
@@ -385,19 +422,58 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 		status, result = StatusFailed, nil
 		failure, _ = json.Marshal(storedFailure{Message: "pgidem: result not storable: " + encErr.Error(), NotStorable: true})
 	}
-	var finishErr error
-	if !lost {
-		finishErr = c.finish(ctx, cl, owner, "complete", c.sql.complete, status, result, failure, micros(cl.ttl))
-		lost = finishErr == errFinishNoRow
+	finishErr := c.finish(ctx, cl, owner, "complete", c.sql.complete, status, result, failure, micros(cl.ttl))
+	if panicked != nil {
+		panic(panicked) // a MarshalJSON panic is a bug in the caller's type; the record is stored
 	}
 	switch {
-	case lost:
+	case finishErr == errFinishNoRow:
 		c.leaseLost(ctx, cl)
 		return fmt.Errorf("%w: %s/%s was taken over before the result was stored; the effect may have run more than once", ErrLeaseLost, cl.namespace, cl.key)
 	case finishErr != nil:
 		return finishErr
 	case encErr != nil:
 		return fmt.Errorf("%w: %v", ErrResultNotStorable, encErr)
+	}
+	return nil
+}
+
+// encodeResult runs encode, turning a panic into an error (and returning the panic value so
+// the caller can re-raise it once the record is safe) and rejecting JSON that jsonb cannot
+// store or that would not replay exactly.
+func encodeResult(encode func() ([]byte, error)) (result []byte, panicked any, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			result, panicked, err = nil, p, fmt.Errorf("encoding the result panicked: %v", p)
+		}
+	}()
+	result, err = encode()
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := checkEscapes(result); err != nil {
+		return nil, nil, err
+	}
+	return result, nil, nil
+}
+
+// checkEscapes scans encoded JSON for the two escapes that break an exact replay: \u0000,
+// which jsonb rejects, and \ufffd, which encoding/json writes in place of invalid UTF-8 (a
+// valid U+FFFD is written as raw bytes), so the stored string would differ from fn's.
+func checkEscapes(b []byte) error {
+	for i := 0; i < len(b); i++ {
+		if b[i] != '\\' || i+1 >= len(b) {
+			continue
+		}
+		if b[i+1] == 'u' && i+6 <= len(b) {
+			switch strings.ToLower(string(b[i+2 : i+6])) {
+			case "0000":
+				return errors.New("a string contains a NUL character, which jsonb cannot store")
+			case "fffd":
+				return errors.New("a string is not valid UTF-8 and would not replay as it was")
+			}
+		}
+		i++ // skip the escaped character
 	}
 	return nil
 }

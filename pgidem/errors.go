@@ -14,8 +14,8 @@ var (
 	// configured limit in bytes. fn is never run for an invalid key. See [*InvalidKeyError].
 	ErrInvalidKey = errors.New("pgidem: invalid idempotency key")
 
-	// ErrInvalidTTL means the record TTL is below [Config.MinTTL], or the lease is not
-	// shorter than the TTL. fn is not run. See [*InvalidTTLError].
+	// ErrInvalidTTL means the record TTL is below [Config.MinTTL], or the lease is below
+	// [LeaseMin] or not shorter than the TTL. fn is not run. See [*InvalidTTLError].
 	ErrInvalidTTL = errors.New("pgidem: invalid ttl")
 
 	// ErrInProgress means another holder's reservation of the key is in progress with a
@@ -83,6 +83,9 @@ type InvalidTTLError struct {
 func (e *InvalidTTLError) Error() string {
 	if e.TTL < e.MinTTL {
 		return fmt.Sprintf("pgidem: invalid ttl: %s is below the minimum %s (Config.MinTTL)", e.TTL, e.MinTTL)
+	}
+	if e.Lease < LeaseMin {
+		return fmt.Sprintf("pgidem: invalid ttl: lease %s is below the minimum %s (LeaseMin)", e.Lease, LeaseMin)
 	}
 	return fmt.Sprintf("pgidem: invalid ttl: %s must be longer than the lease %s", e.TTL, e.Lease)
 }

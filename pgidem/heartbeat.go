@@ -14,12 +14,13 @@ type heartbeat struct {
 	stopOnce sync.Once
 	stopCh   chan struct{}
 	done     chan struct{}
-	lost     bool // written by the heartbeat goroutine before done is closed
 }
 
 // startHeartbeat starts renewing the lease of cl's reservation. When a renewal finds the
 // row no longer owned, or no renewal has succeeded for a whole lease (so another caller may
-// already have taken over), it cancels fn's context with cause ErrLeaseLost and stops.
+// already have taken over), it cancels fn's context with cause ErrLeaseLost and stops. That
+// verdict only stops fn: whether the lease really was lost is decided by the finishing
+// write, which is conditional on the owner token.
 func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype.UUID, cancelFn context.CancelCauseFunc) *heartbeat {
 	hb := &heartbeat{stopCh: make(chan struct{}), done: make(chan struct{})}
 	ctx = context.WithoutCancel(ctx) // the heartbeat outlives a cancelled caller until fn returns
@@ -52,7 +53,8 @@ func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype
 				lastRenewed = time.Now()
 				continue
 			}
-			hb.lost = true
+			c.config.Logger.WarnContext(ctx, "pgidem: heartbeat could not renew the lease; cancelling fn",
+				slog.String("namespace", cl.namespace), slog.String("key", cl.key))
 			cancelFn(ErrLeaseLost)
 			return
 		}
@@ -60,10 +62,8 @@ func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype
 	return hb
 }
 
-// stop stops the heartbeat, waits for its goroutine to exit, and reports whether it found
-// the lease lost. Safe to call more than once.
-func (hb *heartbeat) stop() bool {
+// stop stops the heartbeat and waits for its goroutine to exit. Safe to call more than once.
+func (hb *heartbeat) stop() {
 	hb.stopOnce.Do(func() { close(hb.stopCh) })
 	<-hb.done
-	return hb.lost
 }

@@ -5,9 +5,11 @@ import "context"
 // EventKind names an outcome counted through [Hook].
 type EventKind string
 
-// Event kinds. Each call reports exactly one of Executed, Replayed, InProgress, InvalidKey,
-// StoreError or FailOpen as its outcome, plus Waited, TakenOver, LeaseLost or
-// FingerprintMismatch when those happened along the way. Sweep reports Swept.
+// Event kinds. A call reports at most one of Executed, Replayed, InProgress, InvalidKey,
+// FingerprintMismatch or StoreError as its outcome (a cancelled caller reports none), plus
+// Waited, TakenOver, LeaseLost or FailOpen when those happened along the way (FailOpen
+// follows the StoreError that caused it; a failed heartbeat or finishing write reports a
+// StoreError after Executed). Sweep reports Swept.
 const (
 	// EventExecuted: fn ran under a fresh or taken-over reservation.
 	EventExecuted EventKind = "executed"

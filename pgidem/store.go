@@ -241,8 +241,8 @@ func newOwner() pgtype.UUID {
 	return u
 }
 
-// Lookup reads the record for (namespace, key) without changing it. It returns
-// [ErrNotFound] when there is no row, and the row (with Expired set) when it exists but has
+// Lookup reads the record for (namespace, key) without changing it. It returns an
+// [*InvalidKeyError] for a key no call could have stored, [ErrNotFound] when there is no row, and the row (with Expired set) when it exists but has
 // expired. Database errors are returned as [*StoreError]. Safe for concurrent use.
 func (c *Coordinator) Lookup(ctx context.Context, namespace, key string) (*Record, error) {
 	return c.lookup(ctx, c.pool, namespace, key)
@@ -254,6 +254,9 @@ func (c *Coordinator) LookupTx(ctx context.Context, tx pgx.Tx, namespace, key st
 }
 
 func (c *Coordinator) lookup(ctx context.Context, db executor, namespace, key string) (*Record, error) {
+	if err := c.validateKey(namespace, key); err != nil {
+		return nil, err
+	}
 	var r row
 	err := db.QueryRow(ctx, c.sql.lookup, namespace, key).Scan(r.scanTargets(false)...)
 	if errors.Is(err, pgx.ErrNoRows) {
@@ -265,10 +268,12 @@ func (c *Coordinator) lookup(ctx context.Context, db executor, namespace, key st
 	return r.record(namespace, key), nil
 }
 
-// storeError wraps a database error as [*StoreError], leaving context errors alone so that
-// callers can tell cancellation from an unreachable store.
+// storeError wraps a database error as [*StoreError], leaving a cancellation alone so that
+// callers can tell it from an unreachable store. A deadline is wrapped: a driver timeout
+// (connect_timeout, a hung server) is a store failure, and a *StoreError still matches
+// context.DeadlineExceeded through Unwrap when the caller's own deadline passed.
 func storeError(op string, err error) error {
-	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+	if errors.Is(err, context.Canceled) {
 		return err
 	}
 	return &StoreError{Op: op, Err: err}

@@ -3,6 +3,7 @@ package pgidem
 import (
 	"cmp"
 	"context"
+	"fmt"
 	"log/slog"
 	"time"
 )
@@ -40,6 +41,9 @@ type SweepResult struct {
 func (c *Coordinator) Sweep(ctx context.Context, opts *SweepOpts) (*SweepResult, error) {
 	if opts == nil {
 		opts = &SweepOpts{}
+	}
+	if opts.BatchSize < 0 || opts.MaxBatches < 0 || opts.Pause < 0 {
+		return &SweepResult{}, fmt.Errorf("pgidem: SweepOpts.BatchSize %d, MaxBatches %d and Pause %s must not be negative", opts.BatchSize, opts.MaxBatches, opts.Pause)
 	}
 	batch := cmp.Or(opts.BatchSize, SweepBatchSizeDefault)
 	res := &SweepResult{}

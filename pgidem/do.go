@@ -80,8 +80,13 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // ([KeyFromContext]) and is cancelled with cause [ErrLeaseLost] if the reservation is
 // taken over; a heartbeat renews the lease every lease/3 while fn runs, so a slow live
 // holder is never taken over. No connection is held while fn runs. Then:
-//   - fn succeeds: the value is stored as JSON (jsonb) and returned; later calls replay it,
-//     decoded into T. Zero values, nil pointers, empty slices and null are stored as such.
+//   - fn succeeds: the value is stored as JSON (jsonb, encoding/json rules) and returned;
+//     later calls replay it, decoded into T. Zero values, nil pointers, empty slices and
+//     null are stored as such. Two limits come from JSON itself: a json.RawMessage replays
+//     as the same JSON value in jsonb's normal form, and numbers inside an any decode as
+//     float64. A value that cannot be stored exactly (a channel, NaN, a string with NUL or
+//     invalid UTF-8) is returned with an error matching [ErrResultNotStorable]; the record
+//     is completed without it, so the effect is not repeated.
 //   - fn returns an error: the record is released so the next delivery runs fn again, and
 //     the error is returned unchanged — unless it is [Permanent], which is stored and
 //     replayed as a [*StoredFailureError].

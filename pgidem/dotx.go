@@ -125,7 +125,8 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // inside a savepoint, and returns an [*InProgressError] with Waited set when the timeout
 // passes. Either way tx stays usable: the savepoint is rolled back and lock_timeout is
 // restored to the caller's value. The RetryAfter hint of a lock conflict is
-// [Config.PollIntervalMax] (there is no lease to measure).
+// [Config.PollIntervalMax] (there is no lease to measure), and its Attempts and
+// LeaseExpiresAt are zero.
 //
 // Holding the lock, DoTx reads the record:
 //   - completed (or a stored permanent failure) and not expired: the fingerprint is

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
@@ -48,7 +49,19 @@ func BenchmarkRiverThroughput(b *testing.B) {
 			if _, err := pgidemriver.MigrateRiver(ctx, db.Pool, nil); err != nil {
 				b.Fatal(err)
 			}
-			coord, err := pgidem.NewCoordinator(db.Pool, nil)
+			// pgxpool's default (4 connections on this machine) would queue the 50 workers'
+			// statements; both variants get the same larger pool.
+			poolConfig, err := pgxpool.ParseConfig(db.URL)
+			if err != nil {
+				b.Fatal(err)
+			}
+			poolConfig.MaxConns = 20
+			pool, err := pgxpool.NewWithConfig(ctx, poolConfig)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer pool.Close()
+			coord, err := pgidem.NewCoordinator(pool, nil)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -64,7 +77,7 @@ func BenchmarkRiverThroughput(b *testing.B) {
 			} else {
 				river.AddWorker(workers, &noopWorker{})
 			}
-			client, err := river.NewClient(riverpgxv5.New(db.Pool), &river.Config{
+			client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
 				FetchCooldown:     10 * time.Millisecond,
 				FetchPollInterval: 10 * time.Millisecond,
 				Logger:            slog.New(slog.DiscardHandler),

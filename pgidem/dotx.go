@@ -1,7 +1,6 @@
 package pgidem
 
 import (
-	"bytes"
 	"context"
 	"encoding/binary"
 	"encoding/json"
@@ -474,9 +473,10 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 		return out, true, fnErr
 	}
 
+	// A panicking MarshalJSON unwinds through the deferred rollback: the effect is undone.
 	result, encErr := json.Marshal(value)
-	if encErr == nil && bytes.Contains(result, []byte(`\u0000`)) {
-		encErr = errors.New("a string contains a NUL character, which jsonb cannot store")
+	if encErr == nil {
+		encErr = checkEscapes(result)
 	}
 	if encErr != nil {
 		// fn's writes are undone with the savepoint, so the effect did not happen.

@@ -378,14 +378,39 @@ func TestDoTxResultNotStorable(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	b.createLedger(t)
-	_, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, nil,
-		func(ctx context.Context, tx pgx.Tx) (chan int, error) {
-			_, err := tx.Exec(ctx, `INSERT INTO ledger (ref) VALUES ('inside')`)
-			return make(chan int), err
+
+	tests := []struct {
+		name  string
+		value any
+	}{
+		{"Channel", make(chan int)},
+		{"NulCharacter", "a\x00b"},
+		{"InvalidUTF8", "a\xffb"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", tt.name, testTTL, nil,
+				func(ctx context.Context, tx pgx.Tx) (any, error) {
+					_, err := tx.Exec(ctx, `INSERT INTO ledger (ref) VALUES ($1)`, tt.name)
+					return tt.value, err
+				})
+			require.ErrorIs(t, err, pgidem.ErrResultNotStorable)
+			require.Zero(t, b.ledgerRows(t, tt.name), "the effect is rolled back with the savepoint")
+			_, err = b.coord.Lookup(b.ctx, "ledger", tt.name)
+			require.ErrorIs(t, err, pgidem.ErrNotFound, "nothing is recorded")
 		})
-	require.ErrorIs(t, err, pgidem.ErrResultNotStorable)
-	require.Zero(t, b.ledgerRows(t, "inside"), "the effect is rolled back with the savepoint")
-	require.Zero(t, b.count(t))
+	}
+
+	t.Run("EscapedBackslashIsStorable", func(t *testing.T) {
+		t.Parallel()
+		fn := func(ctx context.Context, tx pgx.Tx) (string, error) { return `\u0000`, nil }
+		_, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "escaped", testTTL, nil, fn)
+		require.NoError(t, err)
+		res, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "escaped", testTTL, nil, fn)
+		require.NoError(t, err)
+		require.Equal(t, `\u0000`, res)
+	})
 }
 
 func TestDoTxFingerprint(t *testing.T) {

@@ -163,8 +163,10 @@ func (c *Coordinator) inboxRecord(ctx context.Context, db executor, ic *inboxCal
 		inserted = tag.RowsAffected() == 1
 	}
 	if !inserted {
-		c.config.Logger.DebugContext(ctx, "pgidem: inbox duplicate skipped",
-			slog.String("consumer", ic.consumer), slog.String("message_id", ic.messageID))
+		if c.config.Logger.Enabled(ctx, slog.LevelDebug) { // keep the duplicate path allocation-free
+			c.config.Logger.DebugContext(ctx, "pgidem: inbox duplicate skipped",
+				slog.String("consumer", ic.consumer), slog.String("message_id", ic.messageID))
+		}
 		c.emit(ctx, EventInboxDuplicate, ic.consumer, 1)
 		return false, nil
 	}
@@ -217,8 +219,15 @@ func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID strin
 		}
 	}()
 	isNew, err := c.inboxRecord(ctx, tx, ic)
-	if err != nil || !isNew {
-		return false, err // the deferred rollback ends the read-only transaction
+	if err != nil {
+		return false, err
+	}
+	if !isNew {
+		// Nothing was written. Should ctx be cancelled now, pgx closes the connection and
+		// the server ends the transaction just the same.
+		ended = true
+		_ = tx.Rollback(ctx)
+		return false, nil
 	}
 	if err := fn(ctx, tx); err != nil {
 		return false, err

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/pgidem"
@@ -636,4 +637,31 @@ VALUES ('mail', 'k', 'in_progress', gen_random_uuid(), 1, now() - interval '1 se
 			})
 		}
 	})
+}
+
+func TestDoTxRepeatableReadFailsInsteadOfDuplicating(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var runs atomic.Int32
+	fn := func(ctx context.Context, tx pgx.Tx) (int32, error) { return runs.Add(1), nil }
+
+	tx, err := b.db.Pool.BeginTx(b.ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	require.NoError(t, err)
+	defer tx.Rollback(b.ctx)    //nolint:errcheck
+	requireUsable(t, b.ctx, tx) // takes the snapshot
+
+	_, err = pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, nil, fn) // commits after the snapshot
+	require.NoError(t, err)
+
+	_, err = pgidem.DoTx(b.ctx, b.coord, tx, "ledger", "k", testTTL, nil, fn)
+	require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "40001", pgErr.Code, "a serialization failure, for the caller to retry")
+	require.NoError(t, tx.Rollback(b.ctx))
+	require.Equal(t, 1, b.lookup(t, "ledger", "k").Attempts)
+
+	v, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, nil, fn)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, v, "the retry replays")
 }

@@ -16,8 +16,8 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// DoOpts are optional per-call settings for [Do] and [DoResult]. A nil *DoOpts means the
-// coordinator's defaults.
+// DoOpts are optional per-call settings for [Do], [DoResult], [DoTx], [DoTxResult] and
+// [DoInTx]. A nil *DoOpts means the coordinator's defaults.
 type DoOpts struct {
 	// Fingerprint identifies the payload the key was first used for (callers hash the
 	// request body or the fields that matter). It is stored on reserve and compared on every

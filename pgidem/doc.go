@@ -56,6 +56,18 @@
 // (opt into [Config.FailOpen] to run it unprotected). Replays return exactly what fn
 // returned: zero values, nil pointers, empty slices and null are results.
 //
+// # Database effects: DoTx and the inbox
+//
+// When the effect is rows in the same database, commit the record with them and the effect
+// becomes exactly-once. [DoTx] runs fn in the caller's transaction, serialised per key by
+// a transaction-scoped advisory lock, and writes the completed record in that transaction:
+// the caller's commit makes effect and record visible together, a rollback leaves neither.
+// [DoInTx] begins and commits the transaction for you. For consumers that dedupe by
+// message id, [Coordinator.InboxHandle] and [Coordinator.InboxRecordTx] record the message
+// in pgidem_inbox in the handler's transaction (INSERT … ON CONFLICT DO NOTHING, never a
+// caught unique violation). A handler that writes rows and also sends mail uses both: the
+// inbox (or DoTx) for the rows, [Do] for the mail, keyed by the effect.
+//
 // # Observability
 //
 // [Config.Logger] (a *slog.Logger, quiet by default) records every unusual transition;

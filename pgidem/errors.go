@@ -57,7 +57,7 @@ var (
 
 // InvalidKeyError describes why a namespace or key was rejected. It matches [ErrInvalidKey].
 type InvalidKeyError struct {
-	// Field is "namespace" or "key".
+	// Field is "namespace" or "key" (or "consumer" / "message_id" for the inbox).
 	Field string
 	// Reason says what is wrong, e.g. "contains control character U+0000 at byte 5".
 	Reason string
@@ -136,8 +136,9 @@ func (e *FingerprintMismatchError) Is(target error) bool { return target == ErrF
 // StoreError wraps a database error. It matches [ErrStoreUnavailable] and unwraps to the
 // driver's error, so a *pgconn.PgError can be inspected with [errors.As].
 type StoreError struct {
-	// Op is the protocol step that failed: "reserve", "heartbeat", "complete", "release",
-	// "lookup", "sweep".
+	// Op is the protocol step that failed: "reserve", "takeover", "heartbeat",
+	// "complete", "release", "lookup", "sweep"; for DoTx and the inbox also "begin",
+	// "lock", "savepoint", "commit", "inbox".
 	Op string
 	// Err is the underlying error.
 	Err error

@@ -639,9 +639,10 @@ func TestReviewSweepNegativeOpts(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	reviewInsert(t, b, "old", "completed", "NULL", "now() - interval '1 second'", nil)
-	res, err := b.coord.Sweep(b.ctx, &pgidem.SweepOpts{BatchSize: -1})
+	_, err := b.coord.Sweep(b.ctx, &pgidem.SweepOpts{BatchSize: -1})
+	require.Error(t, err)
 	require.False(t, errors.Is(err, pgidem.ErrStoreUnavailable), "a bad option is not an unreachable store: %v", err)
-	res, err = b.coord.Sweep(b.ctx, &pgidem.SweepOpts{MaxBatches: -1})
+	res, err := b.coord.Sweep(b.ctx, &pgidem.SweepOpts{MaxBatches: -1})
 	require.True(t, err != nil || res.Records == 1, "MaxBatches -1 neither errs nor sweeps")
 }
 

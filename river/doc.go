@@ -30,21 +30,29 @@
 //	mw.CheckTTL(ctx, config) // warns about kinds whose TTL is shorter than River's horizon
 //	client, _ := river.NewClient(riverpgxv5.New(pool), config)
 //
+// Register the middleware once, globally as above or on a worker (its Middleware method).
+// Registered in both places it still works — the inner registration sees the outer one's
+// reservation for the job and passes straight through — but only the outer one reports.
+//
 // Inside the worker, [pgidem.KeyFromContext] returns the key: pass it to the mail or
 // payment provider as its own idempotency key. Record the receipt with [RecordOutput] so
 // replayed jobs carry the same output.
 //
-// The key names the effect ("order-9.invoice"), not the delivery. Jobs whose args name no
-// effect fall back to the job id ([KeySourceJobID]): that dedupes redeliveries of one job
-// but not two jobs for the same order, so the fallback is logged once per kind and counted.
+// The key names the effect ("order-9.invoice"), not the delivery. Its namespace defaults to
+// the canonical kind of the registered args type, so jobs inserted under a kind alias
+// before a rename share keys with jobs inserted after it. Jobs whose args name no effect
+// fall back to the job id ([KeySourceJobID]): that dedupes redeliveries of one job but not
+// two jobs for the same order, so the fallback is logged once per kind and counted.
 //
 // # Redeliveries, in flight
 //
 // River runs worker middleware before it decodes args and before it applies JobTimeout, so
 // the middleware decodes what it needs from the job's encoded args and bounds its own SQL
-// ([Config.SQLTimeout]). While the worker runs, pgidem's heartbeat renews the lease — also
-// past JobTimeout, for a worker that ignores cancellation — so the rescuer's parallel
-// duplicate finds the key in progress. By default it is snoozed (river.JobSnooze, which
+// before the worker starts ([Config.SQLTimeout]; never the worker). While the worker runs,
+// pgidem's heartbeat renews the lease — also past JobTimeout, for a worker that ignores
+// cancellation — so the rescuer's parallel duplicate finds the key in progress. If the
+// heartbeat finds the lease lost, the worker's context is cancelled with cause
+// [pgidem.ErrLeaseLost], however long the worker has been running. By default it is snoozed (river.JobSnooze, which
 // uses no attempt) until the holder's lease would expire, and then replays; with
 // [pgidem.InFlightWait] it waits, bounded, and replays.
 //

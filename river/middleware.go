@@ -53,8 +53,13 @@ type KeyArgs interface {
 }
 
 // NamespaceArgs may be implemented by job args besides [KeyArgs] to choose the record's
-// namespace. Default (or an empty result): the job kind. Jobs of different kinds that
-// perform the same effect share a namespace so their keys collide on purpose.
+// namespace. Default (or an empty result): the canonical kind of the registered args type
+// (its Kind method), also for a job inserted under one of its kind aliases
+// (river.JobArgsWithKindAliases), so a kind rename does not split the keys of one effect
+// across two namespaces. Jobs of different kinds that perform the same effect return the
+// same namespace so their keys collide on purpose. The namespace is limited like any
+// pgidem namespace ([pgidem.Config.MaxNamespaceBytes]); an invalid one fails the job with
+// an error matching [pgidem.ErrInvalidKey] without running the worker.
 type NamespaceArgs interface {
 	IdempotencyNamespace() string
 }
@@ -87,10 +92,13 @@ type Action string
 
 const (
 	// ActionExecuted: the worker ran under a fresh (or taken-over) reservation and
-	// succeeded; the record is completed.
+	// succeeded; the record is completed and the job completes. This includes a worker
+	// whose [RecordOutput] could not be stored in the record ([Outcome.OutputNotStored]):
+	// its effect ran, so the job completes rather than retrying or being cancelled.
 	ActionExecuted Action = "executed"
 	// ActionReplayed: the key's effect had already completed; the worker did not run and
-	// the job completes (its recorded output is the original run's, see [RecordOutput]).
+	// the job completes (its recorded output is the original run's, see [RecordOutput];
+	// none when it could not be stored, [Outcome.OutputNotStored]).
 	ActionReplayed Action = "replayed"
 	// ActionSnoozed: another execution holds the key (in progress, lease alive); the job
 	// was answered with river.JobSnooze, which does not use an attempt.
@@ -131,6 +139,12 @@ type Outcome struct {
 	// Output is the JSON output the effect recorded with [RecordOutput] (the original run's
 	// on a replay), nil when none.
 	Output json.RawMessage
+	// OutputNotStored is true when the effect succeeded but the output it recorded with
+	// [RecordOutput] could not be stored in the pgidem record (pgidem's
+	// [pgidem.ErrResultNotStorable]: a string with a NUL character or invalid UTF-8). The
+	// record is completed without it, so the effect is not repeated, and the job completes
+	// ([ActionExecuted]); replays of the key complete without output ([ActionReplayed]).
+	OutputNotStored bool
 	// Snooze is the delay given to river.JobSnooze for [ActionSnoozed].
 	Snooze time.Duration
 	// Err is the error returned to River, nil on success.
@@ -179,22 +193,35 @@ type Config struct {
 	// given at least this long. Default [SnoozeMinDefault] (100 ms).
 	SnoozeMin time.Duration
 
-	// SQLTimeout bounds the middleware's own statements before the worker runs (the
-	// reservation, replay read and takeover). River runs worker middleware before it
-	// applies JobTimeout, so the middleware's context has no deadline of its own. The
-	// worker itself is not bounded by it. The finishing write is bounded by the
-	// coordinator's [pgidem.Config.FinishTimeout]. Default [SQLTimeoutDefault] (10 s).
+	// SQLTimeout bounds the reservation step of each execution: the middleware's
+	// statements before the worker runs (reserving the key, reading a completed record for
+	// a replay, taking over an expired lease) and, under [pgidem.InFlightWait], the wait as
+	// well — that step gets SQLTimeout + WaitTimeout. River runs worker middleware before
+	// it applies JobTimeout, so without it the middleware's context has no deadline.
+	//
+	// It never bounds the worker: the timer stops as soon as the worker starts, and the
+	// worker's context is then cancelled only by the job's own context (JobTimeout, client
+	// shutdown) or with cause [pgidem.ErrLeaseLost] when the heartbeat finds the
+	// reservation lost — for as long as the worker runs. Nor does it bound the finishing
+	// write, which the coordinator bounds with [pgidem.Config.FinishTimeout].
+	//
+	// A reservation step that runs out of time fails the job (River retries it) with an
+	// error that names Config.SQLTimeout and matches context.DeadlineExceeded; the worker
+	// does not run and no reservation is left behind. Default [SQLTimeoutDefault] (10 s);
+	// negative values are rejected by [NewMiddleware].
 	SQLTimeout time.Duration
 
 	// KeyFunc derives the key from the raw job row for jobs whose args do not implement
 	// [KeyArgs] (or whose type is not registered). It returns ok false when it has no key
-	// for the job; namespace "" means the job kind. Called concurrently; must not modify
-	// the job. Default nil: args, then the job id.
+	// for the job; namespace "" means the default namespace (the canonical kind of the
+	// registered args type, else the job kind; see [NamespaceArgs]). Called concurrently;
+	// must not modify the job. Default nil: args, then the job id.
 	KeyFunc func(job *rivertype.JobRow) (namespace, key string, ok bool)
 
 	// ExcludeKinds lists job kinds the middleware passes straight to the worker without a
 	// reservation — for example workers that make their effect exactly-once themselves
-	// with [WorkTx]. [SweepKind] is always excluded.
+	// with [WorkTx]. A canonical kind listed here also excludes its kind aliases once the
+	// args type is registered. [SweepKind] is always excluded.
 	ExcludeKinds []string
 
 	// Logger receives the middleware's warnings (job-id fallback once per kind, TTL checks,
@@ -220,11 +247,16 @@ type Stats struct {
 // under a pgidem reservation, so a job's effect happens once however often River delivers
 // it. Create it with [NewMiddleware] and register the pointer in river.Config.Middleware
 // (every worker) or return it from a worker's Middleware method (that worker only).
+// Register it once per job; registering it in both places (or two Middleware values) is
+// safe: an execution that already runs under a pgidemriver reservation for the same job
+// passes straight through to the worker, and only the outer registration reports an
+// [Outcome] and counts in [Stats].
 //
 // Per execution, in order:
 //  1. Key: the args' [KeyArgs] key (decoded from the job's encoded args), else
 //     [Config.KeyFunc], else the job id ([KeySourceJobID]). Namespace: [NamespaceArgs],
-//     else the job kind.
+//     else the canonical kind of the registered args type (the job kind when the type is
+//     not registered).
 //  2. Reserve the key ([pgidem.DoResult]) within [Config.SQLTimeout].
 //  3. Completed before: return nil without running the worker (replay).
 //     In progress elsewhere: snooze or wait ([Config.InFlight]).
@@ -233,7 +265,9 @@ type Stats struct {
 //     duplicate finds it in progress rather than taking over.
 //  4. Worker returns nil: the record completes. Worker returns an error: the record is
 //     released and the error returned unchanged (snooze and cancel errors included), so
-//     River retries. A [pgidem.Permanent] error is stored and the job cancelled.
+//     River retries. A [pgidem.Permanent] error is stored and the job cancelled. The
+//     heartbeat finding the lease lost cancels the worker's context with cause
+//     [pgidem.ErrLeaseLost], however long the worker has run.
 //
 // It is safe for concurrent use and may serve several clients.
 type Middleware struct {
@@ -257,6 +291,7 @@ var _ rivertype.WorkerMiddleware = (*Middleware)(nil)
 // kindInfo is what registration learned about a job kind's args type.
 type kindInfo struct {
 	args   river.JobArgs // zero value, for InsertOpts in CheckTTL
+	kind   string        // the canonical kind, args.Kind(): the default namespace
 	typ    reflect.Type  // the args type T (decoded into a new *T)
 	keyed  bool          // T or *T implements KeyArgs
 	ttl    time.Duration // from TTLArgs, 0 when none
@@ -330,15 +365,17 @@ func AddWorker[T river.JobArgs](workers *river.Workers, m *Middleware, worker ri
 
 // Register tells m the args types of workers registered with River directly, by example
 // values (the zero value is fine): m then decodes jobs of their kinds (and kind aliases)
-// to find the [KeyArgs] key and includes them in [Middleware.CheckTTL]. Registering a
-// kind again replaces the earlier type. Call it before the client starts; safe for
+// to find the [KeyArgs] key and includes them in [Middleware.CheckTTL]. Jobs of a kind
+// alias take the canonical kind as their default namespace ([NamespaceArgs]) and are
+// excluded when the canonical kind is in [Config.ExcludeKinds]. Registering a kind again
+// replaces the earlier type. Call it before the client starts; safe for
 // concurrent use.
 func (m *Middleware) Register(args ...river.JobArgs) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, a := range args {
 		typ := reflect.TypeOf(a)
-		info := &kindInfo{args: a, typ: typ, source: typ.String()}
+		info := &kindInfo{args: a, kind: a.Kind(), typ: typ, source: typ.String()}
 		keyType := reflect.TypeFor[KeyArgs]()
 		info.keyed = typ.Implements(keyType) || reflect.PointerTo(typ).Implements(keyType)
 		if t, ok := a.(TTLArgs); ok {
@@ -365,8 +402,20 @@ func (m *Middleware) kind(kind string) *kindInfo {
 // the worker ran and failed; river.JobSnooze when another execution holds the key; a
 // river.JobCancel wrapping a stored permanent failure; otherwise an error prefixed
 // "pgidemriver: " wrapping pgidem's ([pgidem.ErrInvalidKey], [pgidem.ErrStoreUnavailable],
-// [pgidem.ErrLeaseLost], a context error).
+// [pgidem.ErrLeaseLost], a context error — context.DeadlineExceeded when the reservation
+// step exceeded [Config.SQLTimeout]).
+//
+// Cancelling ctx (River's job context) before the worker runs returns a context error and
+// leaves no reservation; while the worker runs it cancels the worker's context.
+//
+// When ctx already carries a pgidemriver reservation for job — the middleware is
+// registered twice, globally and on the worker — Work calls doInner(ctx) directly and
+// reports nothing: the outer Work holds the reservation and reports the outcome. Safe for
+// concurrent use.
 func (m *Middleware) Work(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
+	if id, ok := ctx.Value(reservedJobKey{}).(int64); ok && id == job.ID {
+		return doInner(ctx)
+	}
 	out := &Outcome{Job: job}
 	out.Err = m.work(ctx, job, doInner, out)
 	m.record(out)
@@ -410,36 +459,57 @@ type effectRecord struct {
 	Output  json.RawMessage `json:"output,omitempty"`
 }
 
+// reservedJobKey marks a context whose worker runs under a pgidemriver reservation; the
+// value is the job id (int64).
+type reservedJobKey struct{}
+
+// errReserveTimeout is the cause with which the reservation step is cancelled when it
+// exceeds its budget (Config.SQLTimeout, plus WaitTimeout under Wait).
+var errReserveTimeout = errors.New("pgidemriver: reservation step timed out")
+
 func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error, out *Outcome) error {
-	if m.exclude[job.Kind] {
+	info := m.kind(job.Kind)
+	if m.exclude[job.Kind] || (info != nil && m.exclude[info.kind]) {
 		out.Action = ActionSkipped
 		return doInner(ctx)
 	}
-	ttl, err := m.resolve(ctx, job, out)
+	ttl, err := m.resolve(ctx, job, info, out)
 	if err != nil {
 		out.Action = ActionError
 		return err
 	}
 
-	// The reservation (and, under Wait, the wait) is bounded; the worker is not.
+	// The reservation (and, under Wait, the wait) is bounded; the worker is not. pgidem
+	// derives fn's context from the one given to DoResult, so that context must not carry
+	// a deadline: the budget is a timer that cancels it, stopped as soon as the worker
+	// starts. From then on fn's context is cancelled only by the job's context or by
+	// pgidem with cause ErrLeaseLost.
 	budget := m.config.SQLTimeout
 	if m.config.InFlight == pgidem.InFlightWait {
 		budget += m.config.WaitTimeout
 	}
-	reserveCtx, cancel := context.WithTimeout(ctx, budget)
-	defer cancel()
+	reserveCtx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	timer := time.AfterFunc(budget, func() { cancel(errReserveTimeout) })
+	defer timer.Stop()
 
-	ran := false
+	ran, succeeded := false, false // the worker started; it returned nil
 	opts := &pgidem.DoOpts{InFlight: m.config.InFlight, WaitTimeout: m.config.WaitTimeout}
 	res, err := pgidem.DoResult(reserveCtx, m.coord, out.Namespace, out.Key, ttl, opts,
 		func(fnCtx context.Context) (effectRecord, error) {
+			if !timer.Stop() {
+				// The budget ran out as the reservation was granted: do not start the
+				// worker on a cancelled context; pgidem releases the reservation.
+				return effectRecord{}, errReserveTimeout
+			}
 			ran = true
-			workCtx, stop := workerContext(ctx, fnCtx)
-			defer stop()
 			slot := &outputSlot{}
-			if err := doInner(context.WithValue(workCtx, outputSlotKey{}, slot)); err != nil {
+			workCtx := context.WithValue(fnCtx, outputSlotKey{}, slot)
+			workCtx = context.WithValue(workCtx, reservedJobKey{}, job.ID)
+			if err := doInner(workCtx); err != nil {
 				return effectRecord{}, err
 			}
+			succeeded = true
 			return effectRecord{JobID: job.ID, Attempt: job.Attempt, Output: slot.get()}, nil
 		})
 	out.Waited, out.TookOver, out.Attempts = res.Waited, res.TookOver, res.Attempts
@@ -448,6 +518,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		inProgress *pgidem.InProgressError
 		snoozeErr  *river.JobSnoozeError
 		cancelErr  *river.JobCancelError
+		stored     *pgidem.StoredFailureError
 	)
 	switch {
 	case err == nil && res.Replayed:
@@ -465,6 +536,22 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		out.Action = ActionExecuted
 		out.Output = res.Value.Output
 		return nil
+	case succeeded && errors.Is(err, pgidem.ErrResultNotStorable) && !errors.Is(err, pgidem.ErrLeaseLost):
+		// The worker succeeded and its effect ran; only its recorded output could not be
+		// stored. pgidem completed the record without it (the effect is not repeated), and
+		// River already holds the output in the job's metadata, so the job completes.
+		out.Action = ActionExecuted
+		out.OutputNotStored = true
+		m.config.Logger.WarnContext(ctx, "pgidemriver: job output not storable in the idempotency record; "+
+			"the job completes and replays of its key carry no output",
+			slog.Int64("job_id", job.ID), slog.String("job_kind", job.Kind),
+			slog.String("namespace", out.Namespace), slog.String("key", out.Key), slog.String("error", err.Error()))
+		return nil
+	case !ran && errors.As(err, &stored) && stored.NotStorable:
+		// An earlier execution ran the effect and only its output was lost: a replay.
+		out.Action = ActionReplayed
+		out.OutputNotStored = true
+		return nil
 	case ran && (errors.As(err, &snoozeErr) || errors.As(err, &cancelErr)):
 		out.Action = ActionReleased
 		return err // River's own control errors pass through unchanged
@@ -481,9 +568,9 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		out.Action = ActionSnoozed
 		out.Snooze = max(inProgress.RetryAfter, m.config.SnoozeMin)
 		return river.JobSnooze(out.Snooze)
-	case ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded):
+	case ctx.Err() == nil && context.Cause(reserveCtx) == errReserveTimeout:
 		out.Action = ActionError
-		return fmt.Errorf("pgidemriver: job %d (%s): reservation exceeded Config.SQLTimeout %s: %w", job.ID, job.Kind, budget, err)
+		return fmt.Errorf("pgidemriver: job %d (%s): reservation exceeded Config.SQLTimeout %s: %w", job.ID, job.Kind, budget, context.DeadlineExceeded)
 	default:
 		out.Action = ActionError
 		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
@@ -491,8 +578,13 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 }
 
 // resolve fills out's namespace, key and key source and returns the record TTL.
-func (m *Middleware) resolve(ctx context.Context, job *rivertype.JobRow, out *Outcome) (time.Duration, error) {
-	info := m.kind(job.Kind)
+func (m *Middleware) resolve(ctx context.Context, job *rivertype.JobRow, info *kindInfo, out *Outcome) (time.Duration, error) {
+	// The default namespace is the canonical kind, so jobs inserted under a kind alias
+	// share their effect keys with jobs of the current kind name.
+	kind := job.Kind
+	if info != nil {
+		kind = info.kind
+	}
 	ttl := m.config.TTL
 	if info != nil && info.ttl > 0 {
 		ttl = info.ttl
@@ -508,19 +600,19 @@ func (m *Middleware) resolve(ctx context.Context, job *rivertype.JobRow, out *Ou
 		}
 		out.KeySource = KeySourceArgs
 		out.Key = args.(KeyArgs).IdempotencyKey()
-		out.Namespace = job.Kind
+		out.Namespace = kind
 		if ns, ok := args.(NamespaceArgs); ok {
-			out.Namespace = cmp.Or(ns.IdempotencyNamespace(), job.Kind)
+			out.Namespace = cmp.Or(ns.IdempotencyNamespace(), kind)
 		}
 		return ttl, nil
 	}
 	if m.config.KeyFunc != nil {
 		if ns, key, ok := m.config.KeyFunc(job); ok {
-			out.KeySource, out.Namespace, out.Key = KeySourceFunc, cmp.Or(ns, job.Kind), key
+			out.KeySource, out.Namespace, out.Key = KeySourceFunc, cmp.Or(ns, kind), key
 			return ttl, nil
 		}
 	}
-	out.KeySource, out.Namespace, out.Key = KeySourceJobID, job.Kind, JobIDKeyPrefix+strconv.FormatInt(job.ID, 10)
+	out.KeySource, out.Namespace, out.Key = KeySourceJobID, kind, JobIDKeyPrefix+strconv.FormatInt(job.ID, 10)
 	if _, logged := m.fallbackLogged.LoadOrStore(job.Kind, struct{}{}); !logged {
 		reason := "its args type is not registered (pgidemriver.AddWorker or Middleware.Register)"
 		if info != nil {
@@ -531,31 +623,6 @@ func (m *Middleware) resolve(ctx context.Context, job *rivertype.JobRow, out *Ou
 			slog.String("job_kind", job.Kind), slog.String("reason", reason))
 	}
 	return ttl, nil
-}
-
-// workerContext returns the context the worker runs with: the values of fnCtx (the
-// idempotency key for pgidem.KeyFromContext), the cancellation and deadline of the job's
-// context, and cancellation with cause pgidem.ErrLeaseLost when the heartbeat finds the
-// reservation lost — but not the middleware's SQL deadline, which fnCtx inherits from the
-// reservation context and which must not bound the worker.
-func workerContext(jobCtx, fnCtx context.Context) (context.Context, func()) {
-	ctx, cancel := context.WithCancelCause(context.WithoutCancel(fnCtx))
-	stopJob := context.AfterFunc(jobCtx, func() { cancel(context.Cause(jobCtx)) })
-	stopLease := context.AfterFunc(fnCtx, func() {
-		if cause := context.Cause(fnCtx); errors.Is(cause, pgidem.ErrLeaseLost) {
-			cancel(cause)
-		}
-	})
-	cancelDeadline := context.CancelFunc(func() {})
-	if deadline, ok := jobCtx.Deadline(); ok {
-		ctx, cancelDeadline = context.WithDeadline(ctx, deadline)
-	}
-	return ctx, func() {
-		stopJob()
-		stopLease()
-		cancelDeadline()
-		cancel(nil)
-	}
 }
 
 type outputSlotKey struct{}
@@ -583,7 +650,17 @@ func (s *outputSlot) get() json.RawMessage {
 // redelivered, or another job with the same key — records the same output without running.
 // Use it for the effect's receipt (a message id, a charge id). output must be
 // JSON-encodable; only the last call per execution counts. It must be called from within a
-// worker's Work; outside the middleware it behaves exactly like river.RecordOutput.
+// worker's Work; outside the middleware it behaves exactly like river.RecordOutput. It
+// returns an error (prefixed "pgidemriver: RecordOutput: ") when output cannot be encoded
+// or River rejects it (outside a worker, or above River's size limit).
+//
+// Output that JSON can encode but the pgidem record cannot store exactly — a string with a
+// NUL character or invalid UTF-8 ([pgidem.ErrResultNotStorable]) — is not an error here:
+// the effect has already run, so the middleware completes the record without the output
+// (the effect is never repeated for its key), completes the job (River keeps the output it
+// recorded in the job's metadata), logs a warning and reports [Outcome.OutputNotStored].
+// Later replays of the key complete without output. River's metadata is jsonb too, so it
+// cannot hold a NUL character either: keep receipts to valid UTF-8 without NUL.
 func RecordOutput(ctx context.Context, output any) error {
 	b, err := json.Marshal(output)
 	if err != nil {

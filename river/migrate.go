@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivermigrate"
@@ -14,13 +13,16 @@ import (
 
 // MigrateLockID is the Postgres session advisory lock [MigrateRiver] holds while River's
 // migrations run. It differs from pgidem's own migration lock (package migrations,
-// LockID). The value is the ASCII bytes of "pgidemrv".
+// LockID). The value is the ASCII bytes of "pgidemrv". It is one lock per database, not
+// per schema: MigrateRiver calls for different [MigrateOpts.Schema] values in the same
+// database run one after another.
 const MigrateLockID int64 = 0x70676964656d7276
 
 // MigrateOpts are optional settings for [MigrateRiver]; nil means defaults.
 type MigrateOpts struct {
 	// Schema is the schema of River's tables (river.Config.Schema). Default "": the
-	// connection's search_path.
+	// connection's search_path. Migrations of every schema share [MigrateLockID], so they
+	// run one at a time per database.
 	Schema string
 	// TargetVersion migrates up to this River migration version. Default 0: the latest.
 	TargetVersion int
@@ -35,10 +37,20 @@ type MigrateOpts struct {
 // migrator takes no lock itself; two unguarded runs race and one fails with a unique
 // violation on river_migration or an "already exists" error (River v0.51).
 //
-// The lock connection is opened from pool's configuration outside the pool, so a pool of
-// any size works. Cancelling ctx stops the wait for the lock or the migration in progress
-// (each River migration runs in its own transaction). It returns the versions this call
-// applied (none when River's schema is current).
+// The lock serialises every MigrateRiver call on the database, whatever its Schema: a
+// migration of one schema waits for a migration of another. It does not guard against
+// River's own CLI or rivermigrate used directly, which take no lock.
+//
+// The lock connection is acquired from pool (so the pool's BeforeConnect, AfterConnect and
+// PrepareConn hooks apply to it) and then taken out of the pool (pgxpool.Conn.Hijack) and
+// closed when MigrateRiver returns: the migrations themselves run on other pool
+// connections, so a pool of any size works, including MaxConns 1. Acquiring waits when
+// every pool connection is in use. Cancelling ctx stops the wait for a connection or for
+// the lock, or the migration in progress (each River migration runs in its own
+// transaction). It returns the versions this call applied (none when River's schema is
+// current) and, on failure, an error prefixed "pgidemriver: MigrateRiver: " wrapping
+// rivermigrate's or the driver's (a context error when ctx ended). Safe for concurrent use:
+// concurrent calls, in one process or many, are the case the lock exists for.
 func MigrateRiver(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) (*rivermigrate.MigrateResult, error) {
 	if pool == nil {
 		return nil, errors.New("pgidemriver: MigrateRiver: pool is nil")
@@ -55,10 +67,13 @@ func MigrateRiver(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) (*
 		return nil, fmt.Errorf("pgidemriver: MigrateRiver: %w", err)
 	}
 
-	lockConn, err := pgx.ConnectConfig(ctx, pool.Config().ConnConfig.Copy())
+	pooled, err := pool.Acquire(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("pgidemriver: MigrateRiver: connect for the lock: %w", err)
+		return nil, fmt.Errorf("pgidemriver: MigrateRiver: acquire a connection for the lock: %w", err)
 	}
+	// Out of the pool: the pool may open another connection for the migrator (a pool of one
+	// works), and the session never returns to the pool holding the lock.
+	lockConn := pooled.Hijack()
 	// Closing the session releases the lock even when the unlock below cannot run.
 	defer lockConn.Close(context.WithoutCancel(ctx))
 	if _, err := lockConn.Exec(ctx, "SELECT pg_advisory_lock($1)", MigrateLockID); err != nil {

@@ -44,8 +44,13 @@ type SweepConfig struct {
 	// Pause is the sleep between batches, spreading the load. Default
 	// [SweepPauseDefault] (100 ms); -1 for none.
 	Pause time.Duration
-	// Timeout bounds one sweep job (the worker's River timeout). A sweep cut short keeps
-	// what it deleted and the next run continues. Default [SweepTimeoutDefault] (4 min).
+	// Timeout bounds one sweep job: it is the worker's River timeout
+	// ([SweepWorker.Timeout]), after which River cancels the sweep's context. A sweep cut
+	// short keeps what it deleted, returns nil, and the next run continues. Default
+	// [SweepTimeoutDefault] (4 min), which stays below the default
+	// [SweepPeriodicJobOpts.Interval] so one sweep ends before the next is due. There is
+	// no "no timeout" setting: River's -1 (run without a timeout) and any other negative
+	// value are rejected by [NewSweepWorker], because a sweep is always safe to cut short.
 	Timeout time.Duration
 	// Logger receives a line per sweep that deleted something (info) and per failure
 	// (error). Default: the coordinator's logger.
@@ -67,8 +72,10 @@ type SweepWorker struct {
 	config SweepConfig
 }
 
-// NewSweepWorker returns a sweep worker for coord; config may be nil for defaults. Register
-// it with river.AddWorker and schedule it with [NewSweepPeriodicJob].
+// NewSweepWorker returns a sweep worker for coord; config may be nil for defaults (it is
+// copied). Register it with river.AddWorker and schedule it with [NewSweepPeriodicJob]. It
+// returns an error naming the SweepConfig field when a setting is invalid: a negative
+// BatchSize, a Pause below -1, a negative Timeout. It does not touch the database.
 func NewSweepWorker(coord *pgidem.Coordinator, config *SweepConfig) (*SweepWorker, error) {
 	if coord == nil {
 		return nil, errors.New("pgidemriver: NewSweepWorker: coord is nil")
@@ -88,7 +95,7 @@ func NewSweepWorker(coord *pgidem.Coordinator, config *SweepConfig) (*SweepWorke
 	case cfg.Pause < -1:
 		return nil, fmt.Errorf("pgidemriver: SweepConfig.Pause %s must not be negative, except -1 for none", cfg.Pause)
 	case cfg.Timeout < 0:
-		return nil, fmt.Errorf("pgidemriver: SweepConfig.Timeout %s must not be negative", cfg.Timeout)
+		return nil, fmt.Errorf("pgidemriver: SweepConfig.Timeout %s must not be negative (there is no \"no timeout\" setting; 0 means the default %s)", cfg.Timeout, SweepTimeoutDefault)
 	}
 	return &SweepWorker{coord: coord, config: cfg}, nil
 }

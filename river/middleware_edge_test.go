@@ -1,0 +1,408 @@
+package pgidemriver_test
+
+// Edge cases of the middleware, most by calling Middleware.Work directly with a job row
+// (real Postgres, no client) so that the interleaving is deterministic.
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgidem/pgidem/pgidem"
+	pgidemriver "github.com/pgidem/pgidem/river"
+)
+
+func jobRow(id int64, kind, args string) *rivertype.JobRow {
+	return &rivertype.JobRow{ID: id, Kind: kind, EncodedArgs: []byte(args), Attempt: 1, State: rivertype.JobStateRunning}
+}
+
+// A lost lease cancels the worker with cause pgidem.ErrLeaseLost however long it has run,
+// also past Config.SQLTimeout (which bounds only the reservation step), so the worker does
+// not keep running beside whoever took the key over.
+func TestLeaseLostCancelsWorker(t *testing.T) {
+	t.Parallel()
+	const sqlTimeout = 500 * time.Millisecond
+	for _, tc := range []struct {
+		name        string
+		sqlTimeout  time.Duration
+		runPastSQLT bool
+	}{
+		{"WithinSQLTimeout", time.Minute, false},
+		{"PastSQLTimeout", sqlTimeout, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			mw, _ := b.newMiddleware(t, &pgidemriver.Config{SQLTimeout: tc.sqlTimeout})
+			mw.Register(InvoiceArgs{})
+
+			running := make(chan struct{})
+			stolen := make(chan struct{})
+			var cause error
+			doInner := func(ctx context.Context) error {
+				if tc.runPastSQLT {
+					time.Sleep(tc.sqlTimeout + 300*time.Millisecond) // a long job: past the SQL budget
+					if ctx.Err() != nil {                            // not require: this runs on Work's goroutine
+						t.Errorf("SQLTimeout must not bound the worker: %v", context.Cause(ctx))
+					}
+				}
+				close(running)
+				<-stolen
+				select {
+				case <-ctx.Done():
+					cause = context.Cause(ctx)
+				case <-time.After(15 * testLease): // failure cap, not a timing assertion
+				}
+				return nil
+			}
+			errCh := make(chan error, 1)
+			go func() { errCh <- mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":7}`), doInner) }()
+			<-running
+			// Another execution takes the key over (as after a missed heartbeat).
+			tag, err := b.db.Pool.Exec(b.ctx, `UPDATE pgidem_record SET owner = gen_random_uuid()
+				WHERE namespace = 'mail.invoice' AND key = 'order-7.invoice' AND status = 'in_progress'`)
+			require.NoError(t, err)
+			require.EqualValues(t, 1, tag.RowsAffected())
+			close(stolen)
+
+			require.ErrorIs(t, <-errCh, pgidem.ErrLeaseLost)
+			require.ErrorIs(t, cause, pgidem.ErrLeaseLost, "the worker must be cancelled when its lease is lost")
+		})
+	}
+}
+
+// The worker's context is cancelled by the job's context (River's JobTimeout, a client
+// stopping), also after the reservation step's budget has passed.
+func TestJobContextCancelsWorkerPastSQLTimeout(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, _ := b.newMiddleware(t, &pgidemriver.Config{SQLTimeout: 200 * time.Millisecond})
+	mw.Register(InvoiceArgs{})
+
+	jobCtx, cancel := context.WithCancelCause(b.ctx)
+	defer cancel(nil)
+	stop := fmt.Errorf("client stopping")
+	err := mw.Work(jobCtx, jobRow(1, "mail.invoice", `{"order_id":8}`), func(ctx context.Context) error {
+		time.Sleep(400 * time.Millisecond)
+		require.NoError(t, ctx.Err())
+		cancel(stop)
+		<-ctx.Done()
+		return context.Cause(ctx)
+	})
+	require.ErrorIs(t, err, stop)
+	_, err = b.coord.Lookup(b.ctx, "mail.invoice", "order-8.invoice")
+	require.ErrorIs(t, err, pgidem.ErrNotFound, "released")
+}
+
+// A reservation step that exceeds Config.SQLTimeout fails the job with an error naming the
+// field and matching context.DeadlineExceeded; the worker does not run and no reservation
+// is left behind.
+func TestSQLTimeoutBoundsReservation(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.newMiddleware(t, &pgidemriver.Config{SQLTimeout: time.Nanosecond})
+	mw.Register(InvoiceArgs{})
+
+	var ran atomic.Bool
+	err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":4}`), func(context.Context) error { ran.Store(true); return nil })
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.ErrorContains(t, err, "Config.SQLTimeout")
+	require.False(t, ran.Load())
+	require.Equal(t, pgidemriver.ActionError, outs.list()[0].Action)
+	var n int
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pgidem_record`).Scan(&n))
+	require.Zero(t, n)
+}
+
+// AliasedInvoiceArgs is InvoiceArgs after a kind rename: jobs inserted under the old kind
+// are still worked by the same worker.
+type AliasedInvoiceArgs struct {
+	OrderID int64 `json:"order_id"`
+}
+
+func (AliasedInvoiceArgs) Kind() string          { return "mail.invoice_v2" }
+func (AliasedInvoiceArgs) KindAliases() []string { return []string{"mail.invoice_v1"} }
+func (a AliasedInvoiceArgs) IdempotencyKey() string {
+	return fmt.Sprintf("order-%d.invoice", a.OrderID)
+}
+
+// Jobs inserted under a kind alias share the canonical kind's namespace, so one effect
+// runs once whatever kind name its jobs were inserted under; ExcludeKinds with the
+// canonical kind covers the aliases too.
+func TestKindAliasSharesNamespace(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+
+	t.Run("OneEffect", func(t *testing.T) {
+		mw, outs := b.newMiddleware(t, nil)
+		mw.Register(AliasedInvoiceArgs{})
+		var runs atomic.Int32
+		doInner := func(context.Context) error { runs.Add(1); return nil }
+		require.NoError(t, mw.Work(b.ctx, jobRow(1, "mail.invoice_v1", `{"order_id":9}`), doInner))
+		require.NoError(t, mw.Work(b.ctx, jobRow(2, "mail.invoice_v2", `{"order_id":9}`), doInner))
+		require.EqualValues(t, 1, runs.Load(), "one effect key, one effect, whatever kind name the job was inserted under")
+		out := outs.list()
+		require.Len(t, out, 2)
+		require.Equal(t, "mail.invoice_v2", out[0].Namespace)
+		require.Equal(t, pgidemriver.ActionReplayed, out[1].Action)
+		_, err := b.coord.Lookup(b.ctx, "mail.invoice_v2", "order-9.invoice")
+		require.NoError(t, err)
+	})
+
+	t.Run("JobIDFallback", func(t *testing.T) {
+		mw, outs := b.newMiddleware(t, nil)
+		mw.Register(AliasedPlainArgs{})
+		require.NoError(t, mw.Work(b.ctx, jobRow(3, "mail.plain_v1", `{}`), func(context.Context) error { return nil }))
+		require.Equal(t, "mail.plain_v2", outs.list()[0].Namespace)
+	})
+
+	t.Run("ExcludeKinds", func(t *testing.T) {
+		mw, outs := b.newMiddleware(t, &pgidemriver.Config{ExcludeKinds: []string{"mail.invoice_v2"}})
+		mw.Register(AliasedInvoiceArgs{})
+		require.NoError(t, mw.Work(b.ctx, jobRow(4, "mail.invoice_v1", `{"order_id":10}`), func(context.Context) error { return nil }))
+		require.Equal(t, pgidemriver.ActionSkipped, outs.list()[0].Action)
+	})
+}
+
+// AliasedPlainArgs name no effect and were renamed.
+type AliasedPlainArgs struct{}
+
+func (AliasedPlainArgs) Kind() string          { return "mail.plain_v2" }
+func (AliasedPlainArgs) KindAliases() []string { return []string{"mail.plain_v1"} }
+
+// The middleware registered twice around one job (globally and on the worker) runs the
+// worker once: the inner registration sees the outer reservation for the job and passes
+// straight through, and only the outer one reports.
+func TestDoubleRegistrationRunsOnce(t *testing.T) {
+	t.Parallel()
+
+	t.Run("Direct", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		mw, outs := b.newMiddleware(t, nil)
+		mw.Register(InvoiceArgs{})
+		job := jobRow(1, "mail.invoice", `{"order_id":3}`)
+
+		var runs atomic.Int32
+		worker := func(ctx context.Context) error {
+			_, key, ok := pgidem.KeyFromContext(ctx)
+			require.True(t, ok)
+			require.Equal(t, "order-3.invoice", key)
+			runs.Add(1)
+			return nil
+		}
+		err := mw.Work(b.ctx, job, func(ctx context.Context) error { return mw.Work(ctx, job, worker) })
+		require.NoError(t, err)
+		require.EqualValues(t, 1, runs.Load(), "the worker must run once, not be snoozed by its own reservation")
+		out := outs.list()
+		require.Len(t, out, 1, "only the outer registration reports")
+		require.Equal(t, pgidemriver.ActionExecuted, out[0].Action)
+		require.EqualValues(t, 1, mw.Stats().Executed)
+
+		// Another job with the same key under the outer reservation is not passed through.
+		other := jobRow(2, "mail.invoice", `{"order_id":3}`)
+		err = mw.Work(b.ctx, jobRow(3, "mail.invoice", `{"order_id":30}`), func(ctx context.Context) error {
+			return mw.Work(ctx, other, worker)
+		})
+		require.NoError(t, err, "the inner job replays order-3")
+		require.EqualValues(t, 1, runs.Load())
+	})
+
+	t.Run("RiverClient", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		mw, outs := b.newMiddleware(t, nil)
+		workers := river.NewWorkers()
+		pgidemriver.AddWorker(workers, mw, &selfMiddlewareWorker{effectWorker: &effectWorker[InvoiceArgs]{pool: b.db.Pool}, mw: mw})
+		b.startClient(t, riverConfig(t, workers, mw))
+
+		id := b.insert(t, InvoiceArgs{OrderID: 11}, nil)
+		b.waitJob(t, id, rivertype.JobStateCompleted)
+		require.Equal(t, 1, b.effects(t))
+		out := outs.list()
+		require.Len(t, out, 1)
+		require.Equal(t, pgidemriver.ActionExecuted, out[0].Action)
+	})
+}
+
+// selfMiddlewareWorker also returns the middleware from its Middleware method.
+type selfMiddlewareWorker struct {
+	*effectWorker[InvoiceArgs]
+	mw *pgidemriver.Middleware
+}
+
+func (w *selfMiddlewareWorker) Middleware(*rivertype.JobRow) []rivertype.WorkerMiddleware {
+	return []rivertype.WorkerMiddleware{w.mw}
+}
+
+// Output that the pgidem record cannot store (invalid UTF-8) does not make the middleware
+// misreport the run: the effect ran once, the job completes (ActionExecuted,
+// OutputNotStored), and a later job with the key replays and completes without output —
+// never released, retried or cancelled.
+func TestOutputNotStorableCompletes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.newMiddleware(t, nil)
+	worker := &effectWorker[InvoiceArgs]{pool: b.db.Pool,
+		after: func(ctx context.Context, _ *river.Job[InvoiceArgs]) error {
+			return pgidemriver.RecordOutput(ctx, "receipt \xff")
+		}}
+	workers := river.NewWorkers()
+	pgidemriver.AddWorker(workers, mw, worker)
+	b.startClient(t, riverConfig(t, workers, mw))
+
+	first := b.insert(t, InvoiceArgs{OrderID: 12}, nil)
+	job := b.waitJob(t, first, rivertype.JobStateCompleted, rivertype.JobStateCancelled, rivertype.JobStateDiscarded, rivertype.JobStateRetryable)
+	require.Equal(t, rivertype.JobStateCompleted, job.State)
+	require.Contains(t, string(job.Metadata), "receipt", "River keeps the output it recorded")
+	executed := outs.waitFor(t, pgidemriver.ActionExecuted)
+	require.True(t, executed.OutputNotStored)
+	require.NoError(t, executed.Err)
+
+	second := b.insert(t, InvoiceArgs{OrderID: 12}, nil)
+	job = b.waitJob(t, second, rivertype.JobStateCompleted, rivertype.JobStateCancelled, rivertype.JobStateDiscarded, rivertype.JobStateRetryable)
+	require.Equal(t, rivertype.JobStateCompleted, job.State)
+	replayed := outs.waitFor(t, pgidemriver.ActionReplayed)
+	require.True(t, replayed.OutputNotStored)
+	require.Nil(t, replayed.Output)
+
+	require.Equal(t, 1, b.effects(t))
+	stats := mw.Stats()
+	require.EqualValues(t, 1, stats.Executed)
+	require.EqualValues(t, 1, stats.Replayed)
+	require.Zero(t, stats.Released+stats.Cancelled+stats.Errors)
+}
+
+// Every way of failing to find a valid key returns an error and never runs the worker
+// unprotected.
+func TestNoValidKeyNeverRunsWorker(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	keyed, _ := b.newMiddleware(t, nil)
+	keyed.Register(InvoiceArgs{}, LongNamespaceArgs{})
+	badFunc, _ := b.newMiddleware(t, &pgidemriver.Config{
+		KeyFunc: func(job *rivertype.JobRow) (string, string, bool) { return "", "bad\x01key", true },
+	})
+	for _, tc := range []struct {
+		name string
+		mw   *pgidemriver.Middleware
+		job  *rivertype.JobRow
+		want error // nil: any error
+	}{
+		{"ArgsNotJSON", keyed, jobRow(1, "mail.invoice", `not json`), nil},
+		{"ArgsWrongType", keyed, jobRow(2, "mail.invoice", `{"order_id":"seven"}`), nil},
+		{"ArgsArray", keyed, jobRow(3, "mail.invoice", `[1,2]`), nil},
+		{"NulKey", keyed, jobRow(4, "mail.invoice", `{"order_id":1,"nul_key":true}`), pgidem.ErrInvalidKey},
+		{"LongNamespace", keyed, jobRow(5, "edge.longns", `{}`), pgidem.ErrInvalidKey},
+		{"KeyFuncInvalid", badFunc, jobRow(6, "mail.plain", `{}`), pgidem.ErrInvalidKey},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var ran atomic.Bool
+			err := tc.mw.Work(b.ctx, tc.job, func(context.Context) error { ran.Store(true); return nil })
+			require.Error(t, err)
+			if tc.want != nil {
+				require.ErrorIs(t, err, tc.want)
+			}
+			require.False(t, ran.Load(), "never run the worker unprotected")
+		})
+	}
+	var n int
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pgidem_record`).Scan(&n))
+	require.Zero(t, n)
+}
+
+// LongNamespaceArgs choose a namespace above the 64-byte limit.
+type LongNamespaceArgs struct{}
+
+func (LongNamespaceArgs) Kind() string                 { return "edge.longns" }
+func (LongNamespaceArgs) IdempotencyKey() string       { return "k" }
+func (LongNamespaceArgs) IdempotencyNamespace() string { return strings.Repeat("n", 65) }
+
+// River's snooze and cancel errors from the worker pass through as the same value, and the
+// reservation is released.
+func TestSnoozeCancelPassThrough(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, _ := b.newMiddleware(t, nil)
+	mw.Register(InvoiceArgs{})
+	for i, werr := range []error{river.JobSnooze(time.Hour), river.JobCancel(fmt.Errorf("stop"))} {
+		err := mw.Work(b.ctx, jobRow(int64(i+1), "mail.invoice", fmt.Sprintf(`{"order_id":%d}`, i+1)),
+			func(context.Context) error { return werr })
+		require.Same(t, werr, err)
+		_, err = b.coord.Lookup(b.ctx, "mail.invoice", fmt.Sprintf("order-%d.invoice", i+1))
+		require.ErrorIs(t, err, pgidem.ErrNotFound, "released")
+	}
+	require.EqualValues(t, 2, mw.Stats().Released)
+}
+
+// Wait is bounded by WaitTimeout; then the job snoozes for the holder's remaining lease
+// (large leases give large, positive delays) and the worker does not run.
+func TestWaitBoundedThenSnooze(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.newMiddleware(t, &pgidemriver.Config{InFlight: pgidem.InFlightWait, WaitTimeout: 200 * time.Millisecond})
+	mw.Register(InvoiceArgs{})
+	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts,
+		lease_expires_at, expires_at) VALUES ('mail.invoice', 'order-5.invoice', 'in_progress', gen_random_uuid(), 1,
+		now() + interval '10 years', now() + interval '10 years')`)
+	require.NoError(t, err)
+
+	var ran atomic.Bool
+	err = mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":5}`), func(context.Context) error { ran.Store(true); return nil })
+	var snooze *rivertype.JobSnoozeError
+	require.ErrorAs(t, err, &snooze)
+	require.Greater(t, snooze.Duration, 24*time.Hour)
+	require.False(t, ran.Load())
+	out := outs.list()
+	require.Len(t, out, 1)
+	require.True(t, out[0].Waited)
+	require.Equal(t, pgidemriver.ActionSnoozed, out[0].Action)
+}
+
+// The job-id fallback is counted per execution and logged once per kind, under concurrent
+// executions and concurrent Register calls (run with -race).
+func TestJobIDFallbackConcurrent(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	logs := &fallbackLogCounter{}
+	mw, err := pgidemriver.NewMiddleware(b.coord, &pgidemriver.Config{Logger: slog.New(logs)})
+	require.NoError(t, err)
+
+	const kinds, perKind = 4, 8
+	var wg sync.WaitGroup
+	var runs atomic.Int32
+	for i := range kinds * perKind {
+		wg.Go(func() {
+			job := jobRow(int64(i+1), fmt.Sprintf("edge.kind%d", i%kinds), `{}`)
+			if err := mw.Work(b.ctx, job, func(context.Context) error { runs.Add(1); return nil }); err != nil {
+				t.Error(err)
+			}
+		})
+		wg.Go(func() { mw.Register(PlainArgs{}) })
+	}
+	wg.Wait()
+	require.EqualValues(t, kinds*perKind, runs.Load())
+	require.EqualValues(t, kinds*perKind, mw.Stats().JobIDKeys)
+	require.EqualValues(t, kinds, logs.warnings.Load(), "logged once per kind")
+}
+
+type fallbackLogCounter struct{ warnings atomic.Int64 }
+
+func (h *fallbackLogCounter) Enabled(context.Context, slog.Level) bool { return true }
+func (h *fallbackLogCounter) Handle(_ context.Context, r slog.Record) error {
+	if r.Level == slog.LevelWarn && strings.Contains(r.Message, "using the job id") {
+		h.warnings.Add(1)
+	}
+	return nil
+}
+func (h *fallbackLogCounter) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *fallbackLogCounter) WithGroup(string) slog.Handler      { return h }

@@ -1,0 +1,115 @@
+package pgidemriver_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	pgidemriver "github.com/pgidem/pgidem/river"
+)
+
+// MigrateRiver releases its lock and its extra connection when the migration fails, and
+// when its context is cancelled while it waits for the lock.
+func TestMigrateRiverReleasesLock(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	backends := func() int {
+		var n int
+		require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()`).Scan(&n))
+		return n
+	}
+	lockFree := func() bool {
+		conn, err := b.db.Pool.Acquire(b.ctx)
+		require.NoError(t, err)
+		defer conn.Release()
+		var ok bool
+		require.NoError(t, conn.QueryRow(b.ctx, `SELECT pg_try_advisory_lock($1)`, pgidemriver.MigrateLockID).Scan(&ok))
+		if ok {
+			_, err = conn.Exec(b.ctx, `SELECT pg_advisory_unlock($1)`, pgidemriver.MigrateLockID)
+			require.NoError(t, err)
+		}
+		return ok
+	}
+	base := backends()
+
+	// A failing migration (an unknown target version).
+	_, err := pgidemriver.MigrateRiver(b.ctx, b.db.Pool, &pgidemriver.MigrateOpts{TargetVersion: 9999})
+	require.Error(t, err)
+	require.True(t, lockFree(), "the lock is released after a failed migration")
+
+	// A caller cancelled while it waits for the lock.
+	holder, err := b.db.Pool.Acquire(b.ctx)
+	require.NoError(t, err)
+	_, err = holder.Exec(b.ctx, `SELECT pg_advisory_lock($1)`, pgidemriver.MigrateLockID)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(b.ctx)
+	done := make(chan error, 1)
+	go func() { _, err := pgidemriver.MigrateRiver(ctx, b.db.Pool, nil); done <- err }()
+	require.Eventually(t, func() bool {
+		var waiting int
+		err := b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE NOT l.granted AND l.locktype = 'advisory' AND a.datname = current_database()`).Scan(&waiting)
+		return err == nil && waiting == 1
+	}, waitCap, pollInterval)
+	cancel()
+	require.ErrorIs(t, <-done, context.Canceled)
+	_, err = holder.Exec(b.ctx, `SELECT pg_advisory_unlock($1)`, pgidemriver.MigrateLockID)
+	require.NoError(t, err)
+	holder.Release()
+
+	_, err = pgidemriver.MigrateRiver(b.ctx, b.db.Pool, nil)
+	require.NoError(t, err)
+	require.True(t, lockFree())
+	require.Eventually(t, func() bool { return backends() <= base+1 }, waitCap, pollInterval,
+		"MigrateRiver's lock connections are closed")
+}
+
+// MigrateRiver takes its lock connection from the pool, so the pool's connect hooks apply
+// to it, and takes it out of the pool, so a pool of one connection still migrates.
+func TestMigrateRiverPoolConnection(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const appName = "pgidemriver_hooked"
+	cfg, err := pgxpool.ParseConfig(b.db.URL)
+	require.NoError(t, err)
+	cfg.MaxConns = 1
+	cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+		_, err := conn.Exec(ctx, "SET application_name = '"+appName+"'")
+		return err
+	}
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+
+	// Hold the lock elsewhere, so MigrateRiver's lock connection can be seen waiting.
+	holder, err := b.db.Pool.Acquire(b.ctx)
+	require.NoError(t, err)
+	defer holder.Release()
+	_, err = holder.Exec(b.ctx, `SELECT pg_advisory_lock($1)`, pgidemriver.MigrateLockID)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { _, err := pgidemriver.MigrateRiver(b.ctx, pool, nil); done <- err }()
+	require.Eventually(t, func() bool {
+		var waiter string
+		err := b.db.Pool.QueryRow(b.ctx, `SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE NOT l.granted AND l.locktype = 'advisory' AND a.datname = current_database()`).Scan(&waiter)
+		return err == nil && waiter == appName
+	}, waitCap, pollInterval, "the lock connection ran the pool's AfterConnect hook")
+	_, err = holder.Exec(b.ctx, `SELECT pg_advisory_unlock($1)`, pgidemriver.MigrateLockID)
+	require.NoError(t, err)
+	require.NoError(t, <-done, "a pool of one connection migrates")
+
+	// The lock connection was closed, not returned to the pool holding the lock.
+	require.NoError(t, pool.AcquireFunc(b.ctx, func(conn *pgxpool.Conn) error {
+		var ok bool
+		if err := conn.QueryRow(b.ctx, `SELECT pg_try_advisory_lock($1)`, pgidemriver.MigrateLockID).Scan(&ok); err != nil {
+			return err
+		}
+		require.True(t, ok)
+		_, err := conn.Exec(b.ctx, `SELECT pg_advisory_unlock($1)`, pgidemriver.MigrateLockID)
+		return err
+	}))
+}

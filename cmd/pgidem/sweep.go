@@ -12,8 +12,9 @@ func (a *app) sweepCommand() *cobra.Command {
 	var batchSize int
 	cmd := &cobra.Command{
 		Use:   "sweep",
-		Short: "Delete expired records in batches (for cron, where River's periodic sweep is not used)",
-		Long: `Deletes records past their TTL, in batches, until none is left. Expired records
+		Short: "Delete expired records and inbox rows in batches (for cron, where River's periodic sweep is not used)",
+		Long: `Deletes records past their TTL and inbox rows past their retention, in batches,
+until none is left. Expired records
 already behave like no record, so sweeping only reclaims space; records in progress under
 a live lease are never deleted. Concurrent sweeps (two cron hosts, cron and River) split
 the rows instead of blocking each other. It runs pgidem.Coordinator.Sweep.`,

@@ -101,6 +101,24 @@ func ensureTemplate(ctx context.Context, serverURL, name string) error {
 	if ready {
 		return nil
 	}
+	// Templates of earlier migration revisions are no longer used: remove them.
+	rows, err := conn.Query(ctx, "SELECT datname FROM pg_database WHERE datname LIKE 'pgidem\\_tmpl\\_%' AND datname <> $1", name)
+	if err != nil {
+		return fmt.Errorf("testdb: list old templates: %w", err)
+	}
+	old, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return fmt.Errorf("testdb: list old templates: %w", err)
+	}
+	for _, db := range old {
+		ident := pgx.Identifier{db}.Sanitize()
+		if _, err := conn.Exec(ctx, "ALTER DATABASE "+ident+" WITH IS_TEMPLATE false"); err != nil {
+			return fmt.Errorf("testdb: unmark old template %s: %w", db, err)
+		}
+		if _, err := conn.Exec(ctx, "DROP DATABASE "+ident+" WITH (FORCE)"); err != nil {
+			return fmt.Errorf("testdb: drop old template %s: %w", db, err)
+		}
+	}
 	// A half-made template from a killed run is not marked datistemplate: start over.
 	if _, err := conn.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
 		return fmt.Errorf("testdb: drop stale template: %w", err)

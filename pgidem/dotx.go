@@ -8,12 +8,17 @@ import (
 	"fmt"
 	"hash/fnv"
 	"log/slog"
+	"math"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
+
+// lockTimeoutMax is the largest lock_timeout Postgres accepts: INT_MAX milliseconds, about
+// 24.8 days. DoTx waits longer in successive waits of at most this long.
+const lockTimeoutMax = time.Duration(math.MaxInt32) * time.Millisecond
 
 // sqlStateLockNotAvailable is Postgres's SQLSTATE 55P03 (lock_not_available), raised when a
 // lock wait exceeds lock_timeout. It is pgerrcode.LockNotAvailable, defined here because
@@ -113,6 +118,11 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // and tx is not touched. DoOpts.Lease is unused (there is no lease: the transaction holds
 // the key) but is still validated.
 //
+// The record's ttl counts from DoTx's upsert statement (the database's
+// statement_timestamp()), not from the caller's commit: time the transaction stays open
+// afterwards is taken from the record's life, and a transaction held open longer than ttl
+// commits a record that has already expired.
+//
 // # Protocol
 //
 // DoTx serialises transactions on the same key with a transaction-scoped advisory lock
@@ -120,12 +130,19 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // the lock is free it is taken and the record read in one round trip. When another
 // transaction holds it, the in-flight policy decides: [InFlightRaise] returns an
 // [*InProgressError] at once; [InFlightWait] waits for the lock under SET LOCAL
-// lock_timeout set to the wait timeout ([DoOpts.WaitTimeout], else [Config.WaitTimeout]),
-// inside a savepoint, and returns an [*InProgressError] with Waited set when the timeout
-// passes. Either way tx stays usable: the savepoint is rolled back and lock_timeout is
-// restored to the caller's value. The RetryAfter hint of a lock conflict is
-// [Config.PollIntervalMax] (there is no lease to measure), and its Attempts and
+// lock_timeout, inside a savepoint, and returns an [*InProgressError] with Waited set when
+// the wait timeout passes. Either way tx stays usable: the savepoint is rolled back and
+// lock_timeout is restored to the caller's value. The RetryAfter hint of a lock conflict
+// is [Config.PollIntervalMax] (there is no lease to measure), and its Attempts and
 // LeaseExpiresAt are zero.
+//
+// The wait timeout is [DoOpts.WaitTimeout], else [Config.WaitTimeout] (default one
+// minute); it is unused under Raise. It is one budget for the whole call, counted from
+// when DoTx starts: the wait for the advisory lock and any polling of a Do holder's row
+// (below) both draw on it, and ctx bounds it too. lock_timeout is set to what remains of
+// it, rounded up to whole milliseconds; since Postgres accepts at most 2147483647 ms
+// (about 24.8 days), a longer budget is waited out in successive lock waits of at most
+// that long.
 //
 // Holding the lock, DoTx reads the record:
 //   - completed (or a stored permanent failure) and not expired: the fingerprint is
@@ -139,9 +156,11 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // back. If fn returns an error, panics, or its value cannot be stored as JSON
 // ([ErrResultNotStorable]), DoTx rolls back to the savepoint — fn's writes are undone,
 // nothing is recorded, tx stays usable — and returns the error (a panic continues). A
-// [Permanent] error is stored as a failed record in tx and replayed by later calls, but
-// fn's writes are still undone. On success the savepoint is released; nothing is visible
-// to others until the caller commits.
+// [Permanent] error is different: fn's writes are still undone, but a failed record is
+// written in tx and the error returned; commit tx to keep it ([DoInTx] does), and later
+// calls replay it as a [*StoredFailureError] matching [ErrPermanent] without running fn.
+// Roll tx back instead and the next call runs fn again. On success the savepoint is
+// released; nothing is visible to others until the caller commits.
 //
 // # Meeting Do on one key
 //
@@ -158,10 +177,19 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 //     token no longer matches, so its late writes are refused ([ErrLeaseLost]).
 //   - Do reserves the key while DoTx's fn runs: DoTx's upsert leaves Do's live row alone,
 //     DoTx rolls back to its savepoint (fn's writes are undone) and decides again as above,
-//     so the effect still happens once — Do's.
+//     so the effect still happens once — Do's. The same holds when fn returned a
+//     [Permanent] error: it is not recorded and not returned, and DoTx decides again.
 //   - Do arrives after DoTx wrote the record but before the caller committed: Do's insert
 //     waits for tx; if tx commits, Do replays DoTx's value, if it rolls back, Do runs. Do
-//     holds a pool connection while it waits.
+//     holds a pool connection while it waits. That statement runs detached from Do's
+//     context and is bounded by [Config.FinishTimeout] (default 10 s), not by Do's ctx: if
+//     tx stays open longer, Do returns a [*StoreError] for op "reserve" — or, with
+//     [Config.FailOpen], runs its fn unprotected. Keep transactions that call DoTx short.
+//   - In particular, never call Do on a key from the goroutine that holds DoTx's open
+//     transaction on that key (after DoTx, before the commit): Do waits for a commit that
+//     cannot come while the goroutine is blocked in Do — a deadlock across two connections
+//     that Postgres cannot detect. Do blocks for the full [Config.FinishTimeout] whatever
+//     its ctx, then fails as just described. Use DoTx again in tx instead: it replays.
 //
 // Prefer one mode per key: DoTx for rows, Do for foreign effects.
 //
@@ -172,7 +200,12 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // Under REPEATABLE READ or SERIALIZABLE the snapshot may predate the predecessor's commit;
 // the upsert then fails with a serialization failure (SQLSTATE 40001, returned as a
 // [*StoreError]) instead of a duplicate effect, and the caller retries its transaction as
-// usual — the retry replays.
+// usual — the retry replays. Waiting for a Do holder does not work there: every poll reads
+// the transaction's snapshot, which never shows Do finishing, so [InFlightWait] on a Do
+// row in progress can only time out ([*InProgressError] with Waited set) — or, if the
+// lease in the snapshot runs out first, take over: fn runs, then the upsert fails with a
+// serialization failure and fn's writes are undone. Use [InFlightRaise] and retry the
+// transaction, or READ COMMITTED.
 //
 // Cancelling ctx makes DoTx return ctx's error; like any pgx query cancelled mid-flight,
 // pgx may close the connection, which ends tx (nothing commits). Database errors are
@@ -188,13 +221,18 @@ func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace
 	if tx == nil {
 		return Result[T]{}, errors.New("pgidem: DoTx: tx is nil")
 	}
-	return doTx(ctx, c, tx, cl, fn)
+	res, _, err := doTx(ctx, c, tx, cl, fn)
+	return res, err
 }
 
 // DoInTx is [DoTx] in a transaction of its own: it begins a transaction on the
 // coordinator's pool (READ COMMITTED), runs DoTx in it and commits. When DoTx returns an
-// error (or fn panics) the transaction is rolled back. A replay commits nothing new. A
-// failed commit returns a [*StoreError] for op "commit"; fn's writes are then not
+// error (or fn panics) the transaction is rolled back, with one exception: when fn
+// returns a [Permanent] error, the failed record DoTx wrote is committed (fn's writes are
+// undone all the same) and fn's error is returned, so later calls replay it as a
+// [*StoredFailureError] without running fn. A replay, including the replay of a stored
+// failure, commits nothing new. A failed commit returns a [*StoreError] for op "commit"
+// instead of fn's value or error; fn's writes (or the failed record) are then not
 // committed, although a connection lost during COMMIT leaves that uncertain — the next
 // call replays if it did commit. Safe for concurrent use.
 func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
@@ -217,16 +255,16 @@ func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, t
 			c.rollbackDetached(ctx, tx)
 		}
 	}()
-	res, err := doTx(ctx, c, tx, cl, fn)
-	if err != nil {
+	res, failureStored, err := doTx(ctx, c, tx, cl, fn)
+	if err != nil && !failureStored {
 		return res.Value, err
 	}
-	if err := tx.Commit(ctx); err != nil {
+	if commitErr := tx.Commit(ctx); commitErr != nil {
 		committed = true // Commit ended the transaction either way
-		return zero, c.logStoreError(ctx, cl, storeError("commit", err))
+		return zero, c.logStoreError(ctx, cl, storeError("commit", commitErr))
 	}
 	committed = true
-	return res.Value, nil
+	return res.Value, err // err is nil, or fn's permanent failure, now stored
 }
 
 // rollbackDetached rolls tx (a transaction or a savepoint) back on a context detached from
@@ -237,16 +275,17 @@ func (c *Coordinator) rollbackDetached(ctx context.Context, tx pgx.Tx) {
 	_ = tx.Rollback(ctx) // the error, if any, is already the caller's; the conn is closed on failure
 }
 
-// doTx is DoTxResult after validation.
-func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (Result[T], error) {
-	var res Result[T]
+// doTx is DoTxResult after validation. failureStored is true when fn returned a
+// [Permanent] error and the failed record was written in tx (err is then fn's error): the
+// one error after which tx holds something worth committing.
+func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (res Result[T], failureStored bool, err error) {
 	if err := ctx.Err(); err != nil {
-		return res, err
+		return res, false, err
 	}
 	start := time.Now()
 	r, found, err := c.txLockAndRead(ctx, tx, cl, start, &res.Waited)
 	if err != nil {
-		return res, err
+		return res, false, err
 	}
 	backoff := c.config.PollIntervalMin
 	races := 0
@@ -255,14 +294,14 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 			c.config.Logger.WarnContext(ctx, "pgidem: fingerprint mismatch",
 				slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("status", string(r.status)))
 			c.emit(ctx, EventFingerprintMismatch, cl.namespace, 1)
-			return res, &FingerprintMismatchError{Namespace: cl.namespace, Key: cl.key, Status: r.status}
+			return res, false, &FingerprintMismatchError{Namespace: cl.namespace, Key: cl.key, Status: r.status}
 		}
 
 		switch {
 		case found && !r.available() && r.status != StatusInProgress:
 			res.Replayed, res.Attempts = true, r.attempts
 			c.emit(ctx, EventReplayed, cl.namespace, 1)
-			return res, decodeReplay(cl, r, &res.Value)
+			return res, false, decodeReplay(cl, r, &res.Value)
 
 		case found && !r.available():
 			// In progress under a live lease: a Do holder is running the effect.
@@ -271,7 +310,7 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 				Attempts: r.attempts, LeaseExpiresAt: r.leaseExpires.Time, Waited: res.Waited}
 			if cl.policy == InFlightRaise {
 				c.emit(ctx, EventInProgress, cl.namespace, 1)
-				return res, inProgress
+				return res, false, inProgress
 			}
 			if !res.Waited {
 				res.Waited = true
@@ -281,7 +320,7 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 			remaining := cl.waitTimeout - time.Since(start)
 			if remaining <= 0 {
 				c.emit(ctx, EventInProgress, cl.namespace, 1)
-				return res, inProgress
+				return res, false, inProgress
 			}
 			sleep := min(jitter(backoff), retryAfter+time.Millisecond, remaining)
 			backoff = min(backoff*2, c.config.PollIntervalMax)
@@ -289,7 +328,7 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 			select {
 			case <-ctx.Done():
 				timer.Stop()
-				return res, ctx.Err()
+				return res, false, ctx.Err()
 			case <-timer.C:
 			}
 
@@ -298,7 +337,7 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 			tookOver := found && !r.expired
 			out, won, err := runTx(ctx, c, tx, cl, fn)
 			if err != nil {
-				return res, err
+				return res, out.failureStored, err
 			}
 			if won {
 				res.Value, res.Attempts, res.TookOver = out.value, out.row.attempts, tookOver
@@ -307,20 +346,21 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 						slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", out.row.attempts))
 					c.emit(ctx, EventTakenOver, cl.namespace, 1)
 				}
-				return res, nil
+				return res, false, nil
 			}
-			// A Do holder reserved the key after the read; fn's writes were rolled back.
+			// A Do holder reserved the key after the read; fn's writes were rolled back and
+			// nothing was recorded (not even a permanent failure).
 			c.config.Logger.InfoContext(ctx, "pgidem: key reserved by Do while the transaction ran; rolled back to the savepoint",
 				slog.String("namespace", cl.namespace), slog.String("key", cl.key))
 			if races++; races > maxSnapshotRetries {
-				return res, c.logStoreError(ctx, cl, &StoreError{Op: "complete",
+				return res, false, c.logStoreError(ctx, cl, &StoreError{Op: "complete",
 					Err: errors.New("the record kept changing under the transaction")})
 			}
 		}
 
 		r, found, err = c.txRead(ctx, tx, cl)
 		if err != nil {
-			return res, err
+			return res, false, err
 		}
 	}
 }
@@ -375,20 +415,27 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 	*waited = true
 	inProgress.Waited = true
 	c.emit(ctx, EventWaited, cl.namespace, 1)
-	remaining := cl.waitTimeout - time.Since(start)
-	if remaining <= 0 {
-		c.emit(ctx, EventInProgress, cl.namespace, 1)
-		return r, false, inProgress
-	}
-	if err := c.txWaitLock(ctx, tx, cl, id, remaining); err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == sqlStateLockNotAvailable {
+	for {
+		remaining := cl.waitTimeout - time.Since(start)
+		if remaining <= 0 {
 			c.emit(ctx, EventInProgress, cl.namespace, 1)
 			return r, false, inProgress
 		}
-		return r, false, c.logStoreError(ctx, cl, storeError("lock", err))
+		// lock_timeout has a ceiling; a longer budget is waited out in several waits.
+		wait := min(remaining, lockTimeoutMax)
+		err := c.txWaitLock(ctx, tx, cl, id, wait)
+		if err == nil {
+			return c.txRead(ctx, tx, cl)
+		}
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != sqlStateLockNotAvailable {
+			return r, false, c.logStoreError(ctx, cl, storeError("lock", err))
+		}
+		if wait == remaining { // the whole budget was waited for
+			c.emit(ctx, EventInProgress, cl.namespace, 1)
+			return r, false, inProgress
+		}
 	}
-	return c.txRead(ctx, tx, cl)
 }
 
 // txWaitLock blocks on the advisory lock for at most timeout, inside a savepoint so that a
@@ -400,8 +447,9 @@ func (c *Coordinator) txWaitLock(ctx context.Context, tx pgx.Tx, cl *call, id in
 	if err != nil {
 		return err
 	}
-	// Postgres counts lock_timeout in whole milliseconds and treats 0 as "no timeout".
-	ms := max((timeout+time.Millisecond-1)/time.Millisecond, 1)
+	// Postgres counts lock_timeout in whole milliseconds, treats 0 as "no timeout" and
+	// accepts at most lockTimeoutMax.
+	ms := min(max((timeout+time.Millisecond-1)/time.Millisecond, 1), lockTimeoutMax/time.Millisecond)
 	batch := &pgx.Batch{}
 	batch.Queue(sqlGetLockTimeout)
 	batch.Queue(sqlSetLockTimeout, fmt.Sprintf("%dms", ms))
@@ -437,11 +485,14 @@ func (c *Coordinator) txWaitLock(ctx context.Context, tx pgx.Tx, cl *call, id in
 type txOutcome[T any] struct {
 	value T
 	row   row
+	// failureStored: fn returned a permanent error and the failed record was written.
+	failureStored bool
 }
 
-// runTx runs fn inside a savepoint of tx and upserts the completed record there. won is
-// false when a live record appeared meanwhile (a Do holder): the savepoint is then rolled
-// back and the caller decides again.
+// runTx runs fn inside a savepoint of tx and upserts the completed record there (a
+// permanent failure: in tx, after rolling the savepoint back). won is false when a live
+// record appeared meanwhile (a Do holder): fn's writes are then rolled back, nothing is
+// recorded, and the caller decides again.
 func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (out txOutcome[T], won bool, err error) {
 	sp, err := tx.Begin(ctx)
 	if err != nil {
@@ -467,9 +518,11 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 		}
 		released = true
 		failure, _ := json.Marshal(storedFailure{Message: permanent.Error()})
-		if _, _, err := c.txUpsert(ctx, tx, cl, StatusFailed, nil, failure); err != nil {
-			return out, true, err
+		_, won, err := c.txUpsert(ctx, tx, cl, StatusFailed, nil, failure)
+		if err != nil || !won {
+			return out, won, err
 		}
+		out.failureStored = true
 		return out, true, fnErr
 	}
 

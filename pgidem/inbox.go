@@ -4,9 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"time"
+	"unicode/utf16"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -33,45 +36,66 @@ type InboxOpts struct {
 	// (7 days).
 	Retention time.Duration
 
-	// Payload is stored in the row's payload column (jsonb) for inspection with SQL. It
-	// must be valid JSON. Default nil: NULL.
+	// Payload is stored in the row's payload column (jsonb) for inspection with SQL; it is
+	// never read back by pgidem. It must be JSON that jsonb accepts, which is stricter than
+	// [encoding/json.Valid]: valid UTF-8 throughout, no \u0000 escape, no unpaired UTF-16
+	// surrogate escape (\ud800 alone), and numbers within Postgres's numeric range (at
+	// most 131072 digits before the decimal point and 16383 after it, exponent included).
+	// A payload that breaks a rule returns an error matching [ErrInvalidPayload] before the
+	// transaction is touched, so it stays usable and the handler does not run; record
+	// without a payload (or with a sanitised one) to handle such a message. Default nil:
+	// NULL.
 	Payload []byte
 }
 
+// ErrInvalidPayload means [InboxOpts.Payload] cannot be stored in the inbox's jsonb
+// column: it is not JSON, or it is JSON that jsonb rejects (see InboxOpts.Payload). It is
+// returned wrapped with the reason, before any statement runs; the message is not recorded.
+var ErrInvalidPayload = errors.New("pgidem: invalid inbox payload")
+
 // inboxStatements holds the inbox's SQL with the table name quoted in.
 type inboxStatements struct {
-	record, takeover, sweep string
+	record, sweep string
 }
 
 func newInboxStatements(schema string) inboxStatements {
 	t := qualify(schema, "pgidem_inbox")
 	r := strings.NewReplacer("{t}", t)
 	return inboxStatements{
-		// Insert the message, or read whether the existing row has expired, in one round
-		// trip. ON CONFLICT DO NOTHING never raises a unique violation (which would abort
-		// the caller's transaction) and takes no lock on an existing row, so a duplicate
-		// costs a read. A concurrent duplicate's insert waits for the first transaction:
-		// after its commit the statement returns nothing (the row committed after this
-		// statement's snapshot), after its rollback the insert goes ahead.
+		// Record the message in one statement: take over a row past its retention, else
+		// insert; the one result column says whether this call recorded it.
+		//
+		// A live row is only read: the UPDATE's condition is judged on the statement's
+		// snapshot, so it locks nothing, and ON CONFLICT DO NOTHING takes no lock and never
+		// raises a unique violation (which would abort the caller's transaction). No
+		// transaction id is assigned, so a duplicate costs a read. (ON CONFLICT DO UPDATE …
+		// WHERE <expired> would do this in one clause, but it locks the conflicting row —
+		// and assigns an xid — before judging the WHERE, so every duplicate would write.)
+		//
+		// Concurrency, under READ COMMITTED:
+		//   - an expired row another transaction is taking over: the UPDATE waits for it;
+		//     after its commit the UPDATE re-checks the new row version (live: nothing to
+		//     take) and the INSERT conflicts, so the message is a duplicate; after its
+		//     rollback the UPDATE takes the row over.
+		//   - an expired row a sweep deletes meanwhile (before or while the UPDATE reaches
+		//     it): the UPDATE skips the deleted row and the INSERT goes ahead, so an expired
+		//     row behaves like no row even mid-statement.
+		//   - a concurrent first insert: the INSERT waits for that transaction; after its
+		//     commit it does nothing (duplicate), after its rollback it inserts.
 		record: r.Replace(`
-WITH ins AS (
+WITH takeover AS (
+	UPDATE {t} SET payload = $3, received_at = statement_timestamp(),
+		expires_at = statement_timestamp() + $4 * interval '1 microsecond'
+	WHERE consumer = $1 AND message_id = $2 AND expires_at <= statement_timestamp()
+	RETURNING true
+), ins AS (
 	INSERT INTO {t} (consumer, message_id, payload, received_at, expires_at)
-	VALUES ($1, $2, $3, statement_timestamp(), statement_timestamp() + $4 * interval '1 microsecond')
+	SELECT $1, $2, $3, statement_timestamp(), statement_timestamp() + $4 * interval '1 microsecond'
+	WHERE NOT EXISTS (SELECT FROM takeover)
 	ON CONFLICT (consumer, message_id) DO NOTHING
-	RETURNING true AS inserted, false AS expired
+	RETURNING true
 )
-SELECT inserted, expired FROM ins
-UNION ALL
-SELECT false, expires_at <= statement_timestamp() FROM {t}
-WHERE consumer = $1 AND message_id = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
-
-		// Reuse a row past its retention, as if it had been swept. Of two concurrent
-		// takers the second re-checks the condition on the first's new row version and
-		// updates nothing.
-		takeover: r.Replace(`
-UPDATE {t} SET payload = $3, received_at = statement_timestamp(),
-	expires_at = statement_timestamp() + $4 * interval '1 microsecond'
-WHERE consumer = $1 AND message_id = $2 AND expires_at <= statement_timestamp()`),
+SELECT EXISTS (SELECT FROM takeover) OR EXISTS (SELECT FROM ins)`),
 
 		// Delete one batch of rows past their retention; see statements.sweep.
 		sweep: r.Replace(`
@@ -107,10 +131,159 @@ func (c *Coordinator) newInboxCall(consumer, messageID string, opts *InboxOpts) 
 	if ic.retention < c.config.MinTTL {
 		return nil, &InvalidTTLError{TTL: ic.retention, MinTTL: c.config.MinTTL, Lease: c.config.Lease}
 	}
-	if ic.payload != nil && !json.Valid(ic.payload) {
-		return nil, errors.New("pgidem: InboxOpts.Payload is not valid JSON")
+	if ic.payload != nil {
+		if err := checkPayload(ic.payload); err != nil {
+			return nil, fmt.Errorf("%w: InboxOpts.Payload %v", ErrInvalidPayload, err)
+		}
 	}
 	return ic, nil
+}
+
+// Postgres numeric limits, in decimal digits (src/include/utils/numeric.h): the weight of
+// the leading digit (NUMERIC_WEIGHT_MAX base-10000 digits) and the digits after the
+// decimal point (NUMERIC_DSCALE_MAX), and the exponent bound of numeric input (INT_MAX/2).
+const (
+	numericMaxWeight   = 4*0x7FFF + 3 // 131071: up to 131072 digits before the point
+	numericMaxScale    = 0x3FFF       // 16383
+	numericMaxExponent = 1<<30 - 1    // INT_MAX/2, exclusive
+)
+
+// checkPayload reports why jsonb would reject b: not JSON, not valid UTF-8 (json.Valid
+// lets it through inside strings), a \u0000 escape (jsonb cannot store NUL in text), an
+// unpaired surrogate escape, or a number outside numeric's range. Each of these would
+// otherwise fail the INSERT and abort the caller's transaction.
+func checkPayload(b []byte) error {
+	if !json.Valid(b) {
+		return errors.New("is not valid JSON")
+	}
+	if !utf8.Valid(b) {
+		return errors.New("is not valid UTF-8")
+	}
+	for i := 0; i < len(b); {
+		var n int
+		var err error
+		switch c := b[i]; {
+		case c == '"':
+			n, err = checkPayloadString(b[i:])
+		case c == '-' || '0' <= c && c <= '9':
+			var fits bool
+			if n, fits = numericFits(b[i:]); !fits {
+				err = errors.New("contains a number outside Postgres's numeric range")
+			}
+		default:
+			n = 1
+		}
+		if err != nil {
+			return err
+		}
+		i += n
+	}
+	return nil
+}
+
+// checkPayloadString checks the escapes of the JSON string at the start of b (valid JSON)
+// and returns its length.
+func checkPayloadString(b []byte) (int, error) {
+	for i := 1; i < len(b); i++ {
+		switch b[i] {
+		case '"':
+			return i + 1, nil
+		case '\\':
+			if b[i+1] != 'u' {
+				i++ // skip the escaped character
+				continue
+			}
+			unit := hex16(b[i+2 : i+6])
+			i += 5
+			switch {
+			case unit == 0:
+				return 0, errors.New("contains a \\u0000 escape; jsonb cannot store NUL")
+			case utf16.IsSurrogate(unit) && unit < 0xDC00: // high: a low one must follow
+				if i+6 < len(b) && b[i+1] == '\\' && b[i+2] == 'u' {
+					if low := hex16(b[i+3 : i+7]); 0xDC00 <= low && low <= 0xDFFF {
+						i += 6
+						continue
+					}
+				}
+				return 0, errors.New("contains an unpaired UTF-16 surrogate escape")
+			case utf16.IsSurrogate(unit):
+				return 0, errors.New("contains an unpaired UTF-16 surrogate escape")
+			}
+		}
+	}
+	return len(b), nil
+}
+
+// hex16 decodes the four hexadecimal digits of a \u escape (checked by json.Valid).
+func hex16(h []byte) rune {
+	var v rune
+	for _, c := range h {
+		switch {
+		case c <= '9':
+			c -= '0'
+		case c >= 'a':
+			c -= 'a' - 10
+		default:
+			c -= 'A' - 10
+		}
+		v = v<<4 | rune(c)
+	}
+	return v
+}
+
+// numericFits returns the length of the JSON number at the start of b (valid JSON) and
+// whether Postgres's numeric input accepts it.
+func numericFits(b []byte) (int, bool) {
+	i := 0
+	if b[i] == '-' {
+		i++
+	}
+	digits := func() (start, end int) {
+		start = i
+		for i < len(b) && '0' <= b[i] && b[i] <= '9' {
+			i++
+		}
+		return start, i
+	}
+	intStart, intEnd := digits()
+	fracStart, fracEnd := i, i
+	if i < len(b) && b[i] == '.' {
+		i++
+		fracStart, fracEnd = digits()
+	}
+	var exp int64
+	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
+		i++
+		negative := b[i] == '-'
+		if b[i] == '+' || b[i] == '-' {
+			i++
+		}
+		expStart, expEnd := digits()
+		for _, c := range b[expStart:expEnd] {
+			exp = min(exp*10+int64(c-'0'), numericMaxExponent) // saturate: no overflow
+		}
+		if negative {
+			exp = -exp
+		}
+	}
+	if exp >= numericMaxExponent || exp <= -numericMaxExponent {
+		return i, false
+	}
+	if scale := int64(fracEnd-fracStart) - exp; scale > numericMaxScale {
+		return i, false
+	}
+	// The weight of the leading non-zero digit; zero has none.
+	mantissa := [2][]byte{b[intStart:intEnd], b[fracStart:fracEnd]}
+	leading := int64(intEnd - intStart - 1)
+	for _, part := range mantissa {
+		for _, c := range part {
+			if c != '0' {
+				return i, leading+exp <= numericMaxWeight
+			}
+			leading--
+		}
+	}
+	return i, true
 }
 
 // InboxRecordTx records message messageID of consumer in the caller's transaction tx and
@@ -122,12 +295,15 @@ func (c *Coordinator) newInboxCall(consumer, messageID string, opts *InboxOpts) 
 // scopes it, so two consumer groups handling one topic keep separate inboxes. Both follow
 // the key rules ([ErrInvalidKey]): consumer within [Config.MaxNamespaceBytes], messageID
 // within [Config.MaxKeyBytes]; an invalid one returns an [*InvalidKeyError] before tx is
-// touched. A retention below [Config.MinTTL] returns an [*InvalidTTLError].
+// touched. A retention below [Config.MinTTL] returns an [*InvalidTTLError], a payload
+// jsonb would reject an error matching [ErrInvalidPayload], also before tx is touched.
 //
 // The insert uses ON CONFLICT DO NOTHING, never a caught unique violation, so a duplicate
-// leaves tx usable. A concurrent transaction recording the same message blocks until the
-// first one ends: after its commit this call returns false, after its rollback true. A row
-// past its retention counts as absent and is reused (true).
+// leaves tx usable, and recording a duplicate is a pure read (no row lock, no transaction
+// id). A concurrent transaction recording the same message blocks until the first one
+// ends: after its commit this call returns false, after its rollback true. A row past its
+// retention counts as absent and is reused (true), whether or not a concurrent
+// [Coordinator.Sweep] deletes it meanwhile.
 //
 // Under REPEATABLE READ or SERIALIZABLE a concurrent duplicate may instead fail with a
 // serialization failure (SQLSTATE 40001); retry the transaction. Database errors are
@@ -146,21 +322,11 @@ func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, me
 }
 
 func (c *Coordinator) inboxRecord(ctx context.Context, db executor, ic *inboxCall) (bool, error) {
-	var inserted, expired bool
+	var inserted bool
 	err := db.QueryRow(ctx, c.sql.inbox.record, ic.consumer, ic.messageID, ic.payload,
-		micros(ic.retention)).Scan(&inserted, &expired)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		// A concurrent transaction recorded the message and committed after this
-		// statement's snapshot: a duplicate.
-	case err != nil:
+		micros(ic.retention)).Scan(&inserted)
+	if err != nil {
 		return false, c.inboxStoreError(ctx, ic, "inbox", err)
-	case expired:
-		tag, err := db.Exec(ctx, c.sql.inbox.takeover, ic.consumer, ic.messageID, ic.payload, micros(ic.retention))
-		if err != nil {
-			return false, c.inboxStoreError(ctx, ic, "inbox", err)
-		}
-		inserted = tag.RowsAffected() == 1
 	}
 	if !inserted {
 		if c.config.Logger.Enabled(ctx, slog.LevelDebug) { // keep the duplicate path allocation-free

@@ -214,7 +214,8 @@ func TestInboxInvalid(t *testing.T) {
 		{"LongMessageID", "c", strings.Repeat("m", pgidem.MaxKeyBytesDefault+1), nil, pgidem.ErrInvalidKey},
 		{"LongConsumer", strings.Repeat("c", pgidem.MaxNamespaceBytesDefault+1), "m", nil, pgidem.ErrInvalidKey},
 		{"ShortRetention", "c", "m", &pgidem.InboxOpts{Retention: time.Second}, pgidem.ErrInvalidTTL},
-		{"PayloadNotJSON", "c", "m", &pgidem.InboxOpts{Payload: []byte("{")}, nil},
+		{"PayloadNotJSON", "c", "m", &pgidem.InboxOpts{Payload: []byte("{")}, pgidem.ErrInvalidPayload},
+		{"PayloadNulEscape", "c", "m", &pgidem.InboxOpts{Payload: []byte(`"\u0000"`)}, pgidem.ErrInvalidPayload},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -1,0 +1,492 @@
+package pgidem_test
+
+// Regression tests from a second review of DoTx, DoInTx and the inbox: the defects it found
+// (first section) and behaviour it confirmed (second section).
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgidem/pgidem/pgidem"
+)
+
+// DoInTx commits the failed record of a Permanent error (fn's writes are undone): the next
+// call replays it as a *StoredFailureError without running fn.
+func TestDoInTxPermanentFailureIsStored(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.createLedger(t)
+	var runs atomic.Int32
+	fn := func(ctx context.Context, tx pgx.Tx) (string, error) {
+		runs.Add(1)
+		if _, err := tx.Exec(ctx, `INSERT INTO ledger (ref) VALUES ('charge')`); err != nil {
+			return "", err
+		}
+		return "", pgidem.Permanent(errors.New("card declined"))
+	}
+	_, err := pgidem.DoInTx(b.ctx, b.coord, "charge", "order-1", testTTL, nil, fn)
+	require.ErrorIs(t, err, pgidem.ErrPermanent)
+	var permanent *pgidem.PermanentError
+	require.ErrorAs(t, err, &permanent, "the first call returns fn's own error")
+	rec := b.lookup(t, "charge", "order-1")
+	require.Equal(t, pgidem.StatusFailed, rec.Status, "the failure was committed")
+	require.Zero(t, b.ledgerRows(t, "charge"), "fn's writes were undone")
+
+	_, err = pgidem.DoInTx(b.ctx, b.coord, "charge", "order-1", testTTL, nil, fn)
+	require.ErrorIs(t, err, pgidem.ErrPermanent)
+	var stored *pgidem.StoredFailureError
+	require.ErrorAs(t, err, &stored, "the second call replays the stored permanent failure")
+	require.Equal(t, "card declined", stored.Error())
+	require.EqualValues(t, 1, runs.Load(), "a permanent failure is not retried")
+	require.Zero(t, b.ledgerRows(t, "charge"))
+}
+
+// An ordinary error from fn still rolls DoInTx's transaction back: nothing is recorded and
+// the next call runs fn again.
+func TestDoInTxOrdinaryErrorIsNotStored(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var runs atomic.Int32
+	fn := func(ctx context.Context, tx pgx.Tx) (string, error) {
+		if runs.Add(1) == 1 {
+			return "", errors.New("timeout")
+		}
+		return "ok", nil
+	}
+	_, err := pgidem.DoInTx(b.ctx, b.coord, "charge", "order-1", testTTL, nil, fn)
+	require.EqualError(t, err, "timeout")
+	require.Zero(t, b.count(t))
+	v, err := pgidem.DoInTx(b.ctx, b.coord, "charge", "order-1", testTTL, nil, fn)
+	require.NoError(t, err)
+	require.Equal(t, "ok", v)
+}
+
+// A Do holder that reserves the key while DoTx's fn fails permanently: the failure is not
+// recorded (Do's live row is left alone) and DoTx decides again — here Raise, so
+// ErrInProgress — and once Do completes, its value is what everyone replays.
+func TestDoTxPermanentFailureYieldsToDoReservation(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	started, release := make(chan struct{}), make(chan struct{})
+	doDone := make(chan error, 1)
+	tx := b.begin(t)
+	_, err := pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, reviewRaise(),
+		func(ctx context.Context, tx pgx.Tx) (string, error) {
+			go func() { // Do sees no record yet: DoTx has not written it
+				_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (string, error) {
+					close(started)
+					<-release
+					return "from-do", nil
+				})
+				doDone <- err
+			}()
+			<-started
+			return "", pgidem.Permanent(errors.New("declined"))
+		})
+	require.ErrorIs(t, err, pgidem.ErrInProgress, "DoTx yields to Do's live reservation")
+	require.NotErrorIs(t, err, pgidem.ErrPermanent)
+	requireUsable(t, b.ctx, tx)
+	require.NoError(t, tx.Commit(b.ctx))
+
+	close(release)
+	require.NoError(t, <-doDone)
+	rec := b.lookup(t, "mail", "k")
+	require.Equal(t, pgidem.StatusCompleted, rec.Status)
+	v, err := pgidem.DoInTx(b.ctx, b.coord, "mail", "k", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "from-dotx", nil })
+	require.NoError(t, err)
+	require.Equal(t, "from-do", v)
+}
+
+// An expired inbox row that a sweep deletes while InboxRecordTx's statement is running
+// (the statement has already read the row and waits on the sweep's row lock) behaves like
+// no row: the message is new. If the sweep rolls back instead, the expired row is taken
+// over: new as well. The sweep's DELETE is held open in a transaction of its own, so the
+// interleaving is deterministic.
+func TestInboxExpiredRowSweptMidStatement(t *testing.T) {
+	t.Parallel()
+	for _, sweepCommits := range []bool{true, false} {
+		name := map[bool]string{true: "SweepCommits", false: "SweepRollsBack"}[sweepCommits]
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_inbox (consumer, message_id, received_at, expires_at)
+				VALUES ('billing', 'm-1', now() - interval '8 days', now() - interval '1 day')`)
+			require.NoError(t, err)
+
+			sweep := b.begin(t)
+			_, err = sweep.Exec(b.ctx, `DELETE FROM pgidem_inbox WHERE expires_at <= now()`)
+			require.NoError(t, err)
+
+			type outcome struct {
+				isNew, live bool
+				err         error
+			}
+			done := make(chan outcome, 1)
+			go func() {
+				var out outcome
+				defer func() { done <- out }()
+				tx, err := b.db.Pool.Begin(b.ctx)
+				if out.err = err; err != nil {
+					return
+				}
+				defer tx.Rollback(b.ctx) //nolint:errcheck // test cleanup
+				if out.isNew, out.err = b.coord.InboxRecordTx(b.ctx, tx, "billing", "m-1", nil); out.err != nil {
+					return
+				}
+				out.err = tx.QueryRow(b.ctx, `SELECT expires_at > now() FROM pgidem_inbox
+					WHERE consumer = 'billing' AND message_id = 'm-1'`).Scan(&out.live)
+			}()
+			b.waitForBlocked(t, "transactionid", 1) // the record statement waits for the sweep
+			if sweepCommits {
+				require.NoError(t, sweep.Commit(b.ctx))
+			} else {
+				require.NoError(t, sweep.Rollback(b.ctx))
+			}
+			out := <-done
+			require.NoError(t, out.err)
+			require.True(t, out.isNew, "the message's row had expired: it is new, its handler must run")
+			require.True(t, out.live, "the message is recorded afresh")
+		})
+	}
+}
+
+// Recording a duplicate of a live message is a pure read: no row lock, no transaction id
+// (so no WAL flush at commit). Recording a new or expired one writes.
+func TestInboxDuplicateIsPureRead(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_inbox (consumer, message_id, received_at, expires_at)
+		VALUES ('billing', 'live', now(), now() + interval '1 day'),
+		       ('billing', 'expired', now() - interval '8 days', now() - interval '1 day')`)
+	require.NoError(t, err)
+
+	tests := []struct {
+		messageID string
+		wantNew   bool
+	}{
+		{"live", false},
+		{"expired", true},
+		{"absent", true},
+	}
+	for _, tt := range tests {
+		tx := b.begin(t)
+		isNew, err := b.coord.InboxRecordTx(b.ctx, tx, "billing", tt.messageID, nil)
+		require.NoError(t, err)
+		require.Equal(t, tt.wantNew, isNew, tt.messageID)
+		var xid *int64
+		require.NoError(t, tx.QueryRow(b.ctx, `SELECT txid_current_if_assigned()`).Scan(&xid))
+		require.Equal(t, tt.wantNew, xid != nil, "%s: a transaction id is assigned only by a write", tt.messageID)
+		require.NoError(t, tx.Rollback(b.ctx))
+	}
+}
+
+// Payloads json.Valid accepts but jsonb rejects are refused with ErrInvalidPayload before
+// the transaction is touched (not a store error that aborts it); payloads at jsonb's edges
+// are stored.
+func TestInboxPayloadJSONBRules(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	rejected := []struct {
+		name    string
+		payload string
+	}{
+		{"NotJSON", `{`},
+		{"NulEscape", `{"note":"a\u0000b"}`},
+		{"NulEscapeInKey", `{"\u0000":1}`},
+		{"InvalidUTF8", "{\"note\":\"\xff\"}"},
+		{"LoneHighSurrogate", `["\ud800"]`},
+		{"HighSurrogateThenText", `["\ud800x"]`},
+		{"HighSurrogateThenHigh", `["\uD800\uD800"]`},
+		{"LoneLowSurrogate", `["\udc00"]`},
+		{"IntegerTooLong", `1e131072`},
+		{"IntegerTooLongMantissa", `10e131071`},
+		{"TooManyDecimals", `1e-16384`},
+		{"TooManyDecimalsMantissa", `1.5e-16383`},
+		{"ZeroTooManyDecimals", `[0.0e-16383]`},
+		{"ExponentOverflow", `{"n":0e1073741823}`},
+		{"ExponentBeyondInt64", `-1e-99999999999999999999999`},
+	}
+	for _, tt := range rejected {
+		t.Run("Rejects"+tt.name, func(t *testing.T) {
+			t.Parallel()
+			tx := b.begin(t)
+			_, err := b.coord.InboxRecordTx(b.ctx, tx, "billing", "m-"+tt.name, &pgidem.InboxOpts{Payload: []byte(tt.payload)})
+			require.ErrorIs(t, err, pgidem.ErrInvalidPayload)
+			assert.NotErrorIs(t, err, pgidem.ErrStoreUnavailable, "bad input is not a store outage")
+			requireUsable(t, b.ctx, tx)
+		})
+	}
+
+	accepted := []struct {
+		name    string
+		payload string
+	}{
+		{"EscapedBackslashThenU0000", `{"note":"\\u0000"}`},
+		{"SurrogatePair", `["\ud83d\ude00"]`},
+		{"ReplacementCharacterEscape", `["\ufffd"]`},
+		{"RawUnicode", `{"note":"čaj 🍵"}`},
+		{"LargestInteger", `1e131071`},
+		{"LargestIntegerSmallMantissa", `0.001e131074`},
+		{"MostDecimals", `1.5e-16382`},
+		{"ZeroWithHugeExponent", `0e1073741822`},
+		{"NegativeZeroScaledBack", `-0.000e16383`},
+		{"Mixed", `{"a":[1,-2.5e3,true,false,null,"e\"1e999999"],"b":{}}`},
+	}
+	for _, tt := range accepted {
+		t.Run("Accepts"+tt.name, func(t *testing.T) {
+			t.Parallel()
+			tx := b.begin(t)
+			isNew, err := b.coord.InboxRecordTx(b.ctx, tx, "billing", "m-"+tt.name, &pgidem.InboxOpts{Payload: []byte(tt.payload)})
+			require.NoError(t, err)
+			require.True(t, isNew)
+			requireUsable(t, b.ctx, tx)
+		})
+	}
+}
+
+// A wait timeout above Postgres's lock_timeout maximum (INT_MAX ms, about 24.8 days) is
+// waited out in capped lock waits instead of failing; the caller's context bounds the wait
+// here.
+func TestDoTxWaitTimeoutAboveLockTimeoutMax(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	holder := b.holdKey(t, "ledger", "k")
+	defer holder.Rollback(b.ctx) //nolint:errcheck // test cleanup
+
+	ctx, cancel := context.WithCancel(b.ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		tx, err := b.db.Pool.Begin(ctx)
+		if err != nil {
+			done <- err
+			return
+		}
+		defer tx.Rollback(context.Background()) //nolint:errcheck // test cleanup
+		_, err = pgidem.DoTx(ctx, b.coord, tx, "ledger", "k", testTTL,
+			&pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: 30 * 24 * time.Hour},
+			func(ctx context.Context, tx pgx.Tx) (string, error) { return "waiter", nil })
+		done <- err
+	}()
+	// Either the waiter blocks on the advisory lock (correct) or it has already failed.
+	var early error
+	require.Eventually(t, func() bool {
+		select {
+		case early = <-done:
+			return true
+		default:
+		}
+		var waiting int
+		err := b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE NOT l.granted AND l.locktype = 'advisory' AND a.datname = current_database()`).Scan(&waiting)
+		return err == nil && waiting >= 1
+	}, 30*time.Second, 5*time.Millisecond)
+	require.NoError(t, early, "a long wait timeout must wait, not fail")
+	cancel()
+	require.ErrorIs(t, <-done, context.Canceled)
+}
+
+// ---------------------------------------------------------------------------------------
+// Confirmed behaviour.
+// ---------------------------------------------------------------------------------------
+
+// A waiter that got the lock after waiting restores the caller's lock_timeout (the
+// existing test covers only the timeout path) and replays the holder's value.
+func TestDoTxLockTimeoutRestoredAfterWait(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	holder := b.holdKey(t, "ledger", "k")
+
+	type outcome struct {
+		res         pgidem.Result[string]
+		lockTimeout string
+		err         error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		var out outcome
+		defer func() { done <- out }()
+		tx, err := b.db.Pool.Begin(b.ctx)
+		if err != nil {
+			out.err = err
+			return
+		}
+		defer tx.Rollback(b.ctx) //nolint:errcheck // test cleanup
+		if _, out.err = tx.Exec(b.ctx, `SET LOCAL lock_timeout = '7s'`); out.err != nil {
+			return
+		}
+		out.res, out.err = pgidem.DoTxResult(b.ctx, b.coord, tx, "ledger", "k", testTTL,
+			&pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: time.Minute},
+			func(ctx context.Context, tx pgx.Tx) (string, error) { return "waiter", nil })
+		if out.err == nil {
+			out.err = tx.QueryRow(b.ctx, `SHOW lock_timeout`).Scan(&out.lockTimeout)
+		}
+	}()
+	b.waitForBlocked(t, "advisory", 1)
+	require.NoError(t, holder.Commit(b.ctx))
+	out := <-done
+	require.NoError(t, out.err)
+	require.True(t, out.res.Replayed)
+	require.Equal(t, "holder", out.res.Value)
+	require.Equal(t, "7s", out.lockTimeout)
+}
+
+// DoTx in a savepoint the caller rolls back: the record and the advisory lock go with it,
+// so another transaction gets the key at once (Raise) and runs fn.
+func TestDoTxInRolledBackSavepoint(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	tx := b.begin(t)
+	sp, err := tx.Begin(b.ctx)
+	require.NoError(t, err)
+	_, err = pgidem.DoTx(b.ctx, b.coord, sp, "ledger", "k", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "first", nil })
+	require.NoError(t, err)
+	require.NoError(t, sp.Rollback(b.ctx))
+
+	res, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, reviewRaise(),
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "second", nil })
+	require.NoError(t, err, "the rolled-back savepoint released the lock")
+	require.Equal(t, "second", res)
+	requireUsable(t, b.ctx, tx)
+}
+
+// Two DoTx calls on one key in one transaction: the second replays the first's
+// uncommitted record (the advisory lock is re-entrant), fn runs once.
+func TestDoTxTwiceInOneTx(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.createLedger(t)
+	tx := b.begin(t)
+	var runs atomic.Int32
+	first, err := pgidem.DoTx(b.ctx, b.coord, tx, "ledger", "k", testTTL, reviewRaise(), ledgerInsert("r", &runs))
+	require.NoError(t, err)
+	res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "ledger", "k", testTTL, reviewRaise(), ledgerInsert("r", &runs))
+	require.NoError(t, err)
+	require.True(t, res.Replayed)
+	require.Equal(t, first, res.Value)
+	require.EqualValues(t, 1, runs.Load())
+	require.NoError(t, tx.Commit(b.ctx))
+	require.Equal(t, 1, b.ledgerRows(t, "r"))
+}
+
+// Two transactions reusing one expired inbox row: the second blocks on the first's
+// takeover and then skips (first commits) or takes over itself (first rolls back).
+func TestInboxExpiredRowConcurrentTakeover(t *testing.T) {
+	t.Parallel()
+	for _, commit := range []bool{true, false} {
+		name := map[bool]string{true: "FirstCommits", false: "FirstRollsBack"}[commit]
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_inbox (consumer, message_id, received_at, expires_at)
+				VALUES ('billing', 'm', now() - interval '8 days', now() - interval '1 day')`)
+			require.NoError(t, err)
+
+			first := b.begin(t)
+			isNew, err := b.coord.InboxRecordTx(b.ctx, first, "billing", "m", nil)
+			require.NoError(t, err)
+			require.True(t, isNew)
+
+			done := make(chan error, 1)
+			var secondNew atomic.Bool
+			go func() {
+				tx, err := b.db.Pool.Begin(b.ctx)
+				if err != nil {
+					done <- err
+					return
+				}
+				defer tx.Rollback(b.ctx) //nolint:errcheck // test cleanup
+				isNew, err := b.coord.InboxRecordTx(b.ctx, tx, "billing", "m", nil)
+				secondNew.Store(isNew)
+				done <- err
+			}()
+			b.waitForBlocked(t, "transactionid", 1)
+			if commit {
+				require.NoError(t, first.Commit(b.ctx))
+			} else {
+				require.NoError(t, first.Rollback(b.ctx))
+			}
+			require.NoError(t, <-done)
+			require.Equal(t, !commit, secondNew.Load())
+		})
+	}
+}
+
+// Do on a key whose DoTx record is still uncommitted in the same goroutine's transaction
+// waits for a commit that cannot come (the deadlock DoTxResult documents): its reserve
+// statement is bounded by Config.FinishTimeout, not by its ctx, and then Do fails with a
+// store error without running fn. DoTx in the same transaction replays instead.
+func TestDoTxThenDoInSameGoroutineBlocks(t *testing.T) {
+	t.Parallel()
+	const finishTimeout = 300 * time.Millisecond
+	b := setup(t, &pgidem.Config{FinishTimeout: finishTimeout})
+	tx := b.begin(t)
+	_, err := pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "from-dotx", nil })
+	require.NoError(t, err)
+
+	ctx, cancel := context.WithTimeout(b.ctx, time.Minute) // bounds the test, not Do
+	defer cancel()
+	var ran atomic.Bool
+	start := time.Now()
+	_, err = pgidem.Do(ctx, b.coord, "mail", "k", testTTL, nil,
+		func(ctx context.Context) (string, error) { ran.Store(true); return "from-do", nil })
+	require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+	var storeErr *pgidem.StoreError
+	require.ErrorAs(t, err, &storeErr)
+	require.Equal(t, "reserve", storeErr.Op)
+	require.GreaterOrEqual(t, time.Since(start), finishTimeout)
+	require.False(t, ran.Load())
+
+	v, err := pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "again", nil })
+	require.NoError(t, err)
+	require.Equal(t, "from-dotx", v)
+	require.NoError(t, tx.Commit(b.ctx))
+}
+
+// Under REPEATABLE READ, DoTx waiting for a Do holder never sees it finish (each poll
+// reads the transaction's snapshot): the wait ends with ErrInProgress at the wait timeout
+// although Do completed meanwhile.
+func TestDoTxRepeatableReadWaitForDoTimesOut(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	started, release := make(chan struct{}), make(chan struct{})
+	doDone := make(chan error, 1)
+	go func() {
+		_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (string, error) {
+			close(started)
+			<-release
+			return "from-do", nil
+		})
+		doDone <- err
+	}()
+	<-started
+
+	tx, err := b.db.Pool.BeginTx(b.ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	require.NoError(t, err)
+	defer tx.Rollback(b.ctx)    //nolint:errcheck // test cleanup
+	requireUsable(t, b.ctx, tx) // takes the snapshot: Do's row in progress
+
+	close(release)
+	require.NoError(t, <-doDone)
+	require.Equal(t, pgidem.StatusCompleted, b.lookup(t, "mail", "k").Status)
+
+	var ran atomic.Bool
+	_, err = pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, &pgidem.DoOpts{WaitTimeout: 300 * time.Millisecond},
+		func(ctx context.Context, tx pgx.Tx) (string, error) { ran.Store(true); return "from-dotx", nil })
+	var inProgress *pgidem.InProgressError
+	require.ErrorAs(t, err, &inProgress, "the snapshot still shows Do in progress")
+	require.True(t, inProgress.Waited)
+	require.False(t, ran.Load())
+	requireUsable(t, b.ctx, tx)
+}

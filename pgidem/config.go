@@ -114,8 +114,11 @@ type Config struct {
 	MaxNamespaceBytes int
 
 	// FailOpen, when true, runs fn unprotected when the store cannot be reached before fn
-	// would run, instead of returning [ErrStoreUnavailable]. Each such run is logged at
-	// warn and reported as [EventFailOpen]. Default false: never run unprotected.
+	// would run (no connection, a network error, a driver timeout), instead of returning
+	// [ErrStoreUnavailable]. It never applies when the server answered with an error (a
+	// missing table, a wrong [Config.Schema]: those are returned), when a record for the
+	// key was already read, or to an invalid key. Each such run is logged at warn and
+	// reported as [EventFailOpen]. Default false: never run unprotected.
 	FailOpen bool
 
 	// Logger receives a record of every unusual transition (takeover, lease lost,
@@ -151,8 +154,8 @@ func (c *Config) validate() error {
 	switch {
 	case c.Lease < LeaseMin:
 		return fmt.Errorf("pgidem: Config.Lease %s is below the minimum %s", c.Lease, LeaseMin)
-	case c.MinTTL <= c.Lease:
-		return fmt.Errorf("pgidem: Config.MinTTL %s must be longer than Config.Lease %s", c.MinTTL, c.Lease)
+	case c.Lease >= c.MinTTL:
+		return fmt.Errorf("pgidem: Config.Lease %s must be shorter than Config.MinTTL %s", c.Lease, c.MinTTL)
 	case c.InFlight != InFlightWait && c.InFlight != InFlightRaise:
 		return fmt.Errorf("pgidem: Config.InFlight %d is not a known policy", c.InFlight)
 	case c.WaitTimeout < 0:

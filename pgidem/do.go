@@ -117,9 +117,12 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 	acq, err := c.acquire(ctx, call)
 	res.Waited, res.TookOver = acq.waited, acq.tookOver
 	if err != nil {
-		// Fail open only when the store could not be read at all: once a record was seen
-		// (a live holder, say), running fn would run it beside the holder.
-		if c.config.FailOpen && errors.Is(err, ErrStoreUnavailable) && !acq.sawRecord && ctx.Err() == nil {
+		// Fail open only when the store could not be reached at all: once it answered (a
+		// live holder, an uncommitted DoTx record), running fn could run it beside another
+		// holder, and a server
+		// that answered with an error (a missing table, a wrong schema) is a
+		// misconfiguration that must not silently turn deduplication off.
+		if c.config.FailOpen && errors.Is(err, ErrStoreUnavailable) && !isServerError(err) && !acq.answered && ctx.Err() == nil {
 			c.config.Logger.WarnContext(ctx, "pgidem: store unavailable, running effect unprotected (FailOpen)",
 				slog.String("namespace", namespace), slog.String("key", key), slog.String("error", err.Error()))
 			c.emit(ctx, EventFailOpen, namespace, 1)
@@ -197,11 +200,11 @@ func orDefault[T comparable](v, def T) T {
 // acquisition is the outcome of acquire: either this caller holds the reservation (held),
 // or row is a completed or failed record to replay.
 type acquisition struct {
-	held      bool
-	row       row
-	waited    bool
-	tookOver  bool
-	sawRecord bool // a record was read: the store answered and the key is in use
+	held     bool
+	row      row
+	waited   bool
+	tookOver bool
+	answered bool // the store answered a read: failing open is no longer allowed
 }
 
 // maxSnapshotRetries is how many times the reserve statement is re-run at once after
@@ -227,6 +230,10 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		var r row
 		err := c.pool.QueryRow(ctx, c.sql.lookup, cl.namespace, cl.key).Scan(r.scanTargets(false)...)
 		if errors.Is(err, pgx.ErrNoRows) {
+			// The store answered. From here on a failure is not "unreachable": the
+			// reserving insert may be blocked behind another transaction's uncommitted
+			// record for the key (an open DoTx), and failing open would run fn beside it.
+			acq.answered = true
 			r, err = c.reserveWrite(ctx, c.sql.reserve, cl, owner)
 			if errors.Is(err, pgx.ErrNoRows) {
 				// The conflicting row committed after the statement's snapshot (or was
@@ -246,7 +253,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			acq.held, acq.row = true, r
 			return acq, c.releaseIfCancelled(ctx, cl, owner)
 		}
-		acq.sawRecord = true
+		acq.answered = true
 
 		if mismatch(cl.fingerprint, &r) {
 			c.config.Logger.WarnContext(ctx, "pgidem: fingerprint mismatch",
@@ -309,7 +316,9 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 // reserveWrite runs a reserving statement (the insert or the takeover) on a context
 // detached from the caller's and bounded by FinishTimeout, so its outcome is always known:
 // a reservation committed on the server but abandoned by a cancelled client would block
-// the key for a lease and then count as a takeover that never was.
+// the key for a lease and then count as a takeover that never was. The statement can block
+// behind another transaction's uncommitted record for the key (an open DoTx); a caller
+// cancelled meanwhile returns when it finishes, at most FinishTimeout later.
 func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call, owner pgtype.UUID) (row, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()

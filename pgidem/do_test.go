@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgidem/pgidem/internal/testdb"
 	"github.com/pgidem/pgidem/pgidem"
 )
 
@@ -584,6 +585,19 @@ func TestStoreUnavailable(t *testing.T) {
 		require.Contains(t, logs.String(), "level=WARN")
 		require.Contains(t, logs.String(), "unprotected")
 		require.Contains(t, events, pgidem.EventFailOpen)
+	})
+
+	t.Run("ServerErrorNeverFailsOpen", func(t *testing.T) {
+		// The server answers, but pgidem's table is missing: a misconfiguration, not an
+		// outage, so FailOpen must not quietly turn deduplication off.
+		db := testdb.NewUnmigrated(t)
+		coord, err := pgidem.NewCoordinator(db.Pool, &pgidem.Config{FailOpen: true})
+		require.NoError(t, err)
+		ran := false
+		_, err = pgidem.Do(ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { ran = true; return 1, nil })
+		require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+		require.ErrorContains(t, err, "migrations")
+		require.False(t, ran)
 	})
 
 	t.Run("InvalidKeyNeverFailsOpen", func(t *testing.T) {

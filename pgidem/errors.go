@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Sentinel errors. Test for them with [errors.Is]; the typed errors below carry detail and
@@ -145,7 +147,24 @@ type StoreError struct {
 }
 
 func (e *StoreError) Error() string {
+	var pgErr *pgconn.PgError
+	if errors.As(e.Err, &pgErr) && (pgErr.Code == sqlstateUndefinedTable || pgErr.Code == sqlstateInvalidSchemaName) {
+		return fmt.Sprintf("pgidem: store unavailable: %s: %v (have pgidem's migrations run on this database and schema? see package migrations or `pgidem migrate up`)", e.Op, e.Err)
+	}
 	return fmt.Sprintf("pgidem: store unavailable: %s: %v", e.Op, e.Err)
+}
+
+// SQLSTATE codes pgidem interprets (see Postgres's errcodes appendix).
+const (
+	sqlstateUndefinedTable    = "42P01"
+	sqlstateInvalidSchemaName = "3F000"
+)
+
+// isServerError reports whether err carries an error the Postgres server returned: the
+// store was reachable.
+func isServerError(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr)
 }
 
 // Unwrap returns [ErrStoreUnavailable] and the underlying error.

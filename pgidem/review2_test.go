@@ -6,6 +6,7 @@ package pgidem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -427,8 +428,19 @@ func TestInboxExpiredRowConcurrentTakeover(t *testing.T) {
 // store error without running fn. DoTx in the same transaction replays instead.
 func TestDoTxThenDoInSameGoroutineBlocks(t *testing.T) {
 	t.Parallel()
+	for _, failOpen := range []bool{false, true} {
+		t.Run(fmt.Sprintf("FailOpen=%t", failOpen), func(t *testing.T) {
+			t.Parallel()
+			testDoTxThenDo(t, failOpen)
+		})
+	}
+}
+
+// testDoTxThenDo: with FailOpen too, the blocked reserve is not an unreachable store (the
+// store answered the read), so fn never runs beside the uncommitted DoTx record.
+func testDoTxThenDo(t *testing.T, failOpen bool) {
 	const finishTimeout = 300 * time.Millisecond
-	b := setup(t, &pgidem.Config{FinishTimeout: finishTimeout})
+	b := setup(t, &pgidem.Config{FinishTimeout: finishTimeout, FailOpen: failOpen})
 	tx := b.begin(t)
 	_, err := pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
 		func(ctx context.Context, tx pgx.Tx) (string, error) { return "from-dotx", nil })

@@ -36,6 +36,9 @@ const (
 	// SnoozeMinDefault is the default [Config.SnoozeMin].
 	SnoozeMinDefault = 100 * time.Millisecond
 
+	// SnoozeMaxDefault is the default [Config.SnoozeMax].
+	SnoozeMaxDefault = 5 * time.Second
+
 	// JobIDKeyPrefix starts the key of a job that names no effect ([KeySourceJobID]):
 	// the key is JobIDKeyPrefix followed by the job id in decimal, e.g. "job-42".
 	JobIDKeyPrefix = "job-"
@@ -178,7 +181,8 @@ type Config struct {
 	// InFlight is what an execution does when another execution holds the key with a live
 	// lease — the stuck-job rescuer re-running a slow job, or two jobs for one effect:
 	//   - [pgidem.InFlightRaise] (the default, also for [pgidem.InFlightDefault]): return
-	//     river.JobSnooze with the holder's remaining lease as delay (at least SnoozeMin).
+	//     river.JobSnooze with the holder's remaining lease as delay, clamped to
+	//     [SnoozeMin, SnoozeMax] so a duplicate of a fast job comes back soon.
 	//     A snooze uses no attempt (River's rule), so the job comes back and replays once
 	//     the holder completed — or takes over if the holder died.
 	//   - [pgidem.InFlightWait]: block until the holder finishes and replay its outcome,
@@ -192,6 +196,12 @@ type Config struct {
 	// SnoozeMin is the shortest snooze delay; a holder whose lease is about to expire is
 	// given at least this long. Default [SnoozeMinDefault] (100 ms).
 	SnoozeMin time.Duration
+
+	// SnoozeMax is the longest snooze delay: a job snoozed behind a live holder comes back
+	// at least this often to replay the holder's outcome once it completed (a live holder
+	// renews its lease, so its remaining lease says nothing about when it will finish).
+	// Default [SnoozeMaxDefault] (5 s); must not be below SnoozeMin.
+	SnoozeMax time.Duration
 
 	// SQLTimeout bounds the reservation step of each execution: the middleware's
 	// statements before the worker runs (reserving the key, reading a completed record for
@@ -313,6 +323,7 @@ func NewMiddleware(coord *pgidem.Coordinator, config *Config) (*Middleware, erro
 	cfg.InFlight = cmp.Or(cfg.InFlight, pgidem.InFlightRaise)
 	cfg.WaitTimeout = cmp.Or(cfg.WaitTimeout, WaitTimeoutDefault)
 	cfg.SnoozeMin = cmp.Or(cfg.SnoozeMin, SnoozeMinDefault)
+	cfg.SnoozeMax = cmp.Or(cfg.SnoozeMax, max(SnoozeMaxDefault, cfg.SnoozeMin))
 	cfg.SQLTimeout = cmp.Or(cfg.SQLTimeout, SQLTimeoutDefault)
 	if cfg.Logger == nil {
 		cfg.Logger = coord.Config().Logger
@@ -324,8 +335,8 @@ func NewMiddleware(coord *pgidem.Coordinator, config *Config) (*Middleware, erro
 		return nil, fmt.Errorf("pgidemriver: Config.InFlight %d is not a known policy", cfg.InFlight)
 	case cfg.WaitTimeout < 0:
 		return nil, fmt.Errorf("pgidemriver: Config.WaitTimeout %s must not be negative", cfg.WaitTimeout)
-	case cfg.SnoozeMin < 0:
-		return nil, fmt.Errorf("pgidemriver: Config.SnoozeMin %s must not be negative", cfg.SnoozeMin)
+	case cfg.SnoozeMin < 0 || cfg.SnoozeMax < cfg.SnoozeMin:
+		return nil, fmt.Errorf("pgidemriver: Config.SnoozeMin %s and Config.SnoozeMax %s must satisfy 0 <= min <= max", cfg.SnoozeMin, cfg.SnoozeMax)
 	case cfg.SQLTimeout < 0:
 		return nil, fmt.Errorf("pgidemriver: Config.SQLTimeout %s must not be negative", cfg.SQLTimeout)
 	}
@@ -566,7 +577,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		return err // the worker's error, unchanged
 	case errors.As(err, &inProgress):
 		out.Action = ActionSnoozed
-		out.Snooze = max(inProgress.RetryAfter, m.config.SnoozeMin)
+		out.Snooze = min(max(inProgress.RetryAfter, m.config.SnoozeMin), m.config.SnoozeMax)
 		return river.JobSnooze(out.Snooze)
 	case ctx.Err() == nil && context.Cause(reserveCtx) == errReserveTimeout:
 		out.Action = ActionError

@@ -344,8 +344,8 @@ func TestSnoozeCancelPassThrough(t *testing.T) {
 	require.EqualValues(t, 2, mw.Stats().Released)
 }
 
-// Wait is bounded by WaitTimeout; then the job snoozes for the holder's remaining lease
-// (large leases give large, positive delays) and the worker does not run.
+// Wait is bounded by WaitTimeout; then the job snoozes for the holder's remaining lease,
+// clamped to SnoozeMax (a huge lease gives SnoozeMax, positive), and the worker does not run.
 func TestWaitBoundedThenSnooze(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -360,7 +360,7 @@ func TestWaitBoundedThenSnooze(t *testing.T) {
 	err = mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":5}`), func(context.Context) error { ran.Store(true); return nil })
 	var snooze *rivertype.JobSnoozeError
 	require.ErrorAs(t, err, &snooze)
-	require.Greater(t, snooze.Duration, 24*time.Hour)
+	require.Equal(t, pgidemriver.SnoozeMaxDefault, snooze.Duration)
 	require.False(t, ran.Load())
 	out := outs.list()
 	require.Len(t, out, 1)

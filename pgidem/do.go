@@ -428,15 +428,23 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 	}
 
 	result, panicked, encErr := encodeResult(encode)
-	status, failure := StatusCompleted, []byte(nil)
+	var finishErr error
+	if encErr == nil {
+		finishErr = c.finish(ctx, cl, owner, "complete", c.sql.complete, StatusCompleted, result, nil, micros(cl.ttl))
+		var pgErr *pgconn.PgError
+		if errors.As(finishErr, &pgErr) && strings.HasPrefix(pgErr.Code, sqlstateClassDataException) {
+			// jsonb refused the value (an unpaired surrogate in a json.RawMessage, a number
+			// out of numeric's range): as unstorable as a NUL.
+			encErr = fmt.Errorf("the database rejected it: %s", pgErr.Message)
+		}
+	}
 	if encErr != nil {
 		// The effect happened; never release (that would run it again). Store the failure.
 		c.config.Logger.ErrorContext(ctx, "pgidem: result not storable; record completed without it",
 			slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("error", encErr.Error()))
-		status, result = StatusFailed, nil
-		failure, _ = json.Marshal(storedFailure{Message: "pgidem: result not storable: " + encErr.Error(), NotStorable: true})
+		failure, _ := json.Marshal(storedFailure{Message: "pgidem: result not storable: " + encErr.Error(), NotStorable: true})
+		finishErr = c.finish(ctx, cl, owner, "complete", c.sql.complete, StatusFailed, nil, failure, micros(cl.ttl))
 	}
-	finishErr := c.finish(ctx, cl, owner, "complete", c.sql.complete, status, result, failure, micros(cl.ttl))
 	if panicked != nil {
 		panic(panicked) // a MarshalJSON panic is a bug in the caller's type; the record is stored
 	}
@@ -521,8 +529,10 @@ func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, o
 			}
 			return nil
 		}
-		if attempt >= len(finishRetries) || ctx.Err() != nil {
-			break
+		var pgErr *pgconn.PgError
+		if attempt >= len(finishRetries) || ctx.Err() != nil ||
+			(errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, sqlstateClassDataException)) {
+			break // a value the server refuses is refused again
 		}
 		time.Sleep(finishRetries[attempt])
 	}

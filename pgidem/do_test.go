@@ -3,6 +3,7 @@ package pgidem_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -404,6 +405,19 @@ func TestReplayExactValues(t *testing.T) {
 		_, err = pgidem.Do(b.ctx, b.coord, "t", "nul-result", testTTL, nil, fn)
 		require.ErrorIs(t, err, pgidem.ErrResultNotStorable, "replayed, not re-run")
 		require.Equal(t, 1, runs)
+	})
+
+	t.Run("RejectedByJSONB", func(t *testing.T) {
+		// Valid JSON that jsonb refuses: found only by the write, after the effect ran.
+		for _, raw := range []string{`"\ud800"`, `1e1000000`} {
+			runs := 0
+			fn := func(context.Context) (json.RawMessage, error) { runs++; return json.RawMessage(raw), nil }
+			_, err := pgidem.Do(b.ctx, b.coord, "t", "jsonb-"+raw, testTTL, nil, fn)
+			require.ErrorIs(t, err, pgidem.ErrResultNotStorable, raw)
+			_, err = pgidem.Do(b.ctx, b.coord, "t", "jsonb-"+raw, testTTL, nil, fn)
+			require.ErrorIs(t, err, pgidem.ErrResultNotStorable, "replayed, not re-run: %s", raw)
+			require.Equal(t, 1, runs, raw)
+		}
 	})
 }
 

@@ -158,6 +158,9 @@ func (e *StoreError) Error() string {
 const (
 	sqlstateUndefinedTable    = "42P01"
 	sqlstateInvalidSchemaName = "3F000"
+	// sqlstateClassDataException is the class of errors for values the server refuses
+	// (22P02 invalid text representation, 22P05 untranslatable character, …).
+	sqlstateClassDataException = "22"
 )
 
 // isServerError reports whether err carries an error the Postgres server returned: the

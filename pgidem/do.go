@@ -226,15 +226,14 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		}
 		// A plain indexed read first: replays and in-progress checks, the paths that must
 		// stay cheap, cost one read and never write.
-		owner := newOwner()
 		var r row
-		err := c.pool.QueryRow(ctx, c.sql.lookup, cl.namespace, cl.key).Scan(r.scanTargets(false)...)
+		err := c.pool.QueryRow(ctx, c.sql.probe, cl.namespace, cl.key).Scan(r.probeTargets()...)
 		if errors.Is(err, pgx.ErrNoRows) {
 			// The store answered. From here on a failure is not "unreachable": the
 			// reserving insert may be blocked behind another transaction's uncommitted
 			// record for the key (an open DoTx), and failing open would run fn beside it.
 			acq.answered = true
-			r, err = c.reserveWrite(ctx, c.sql.reserve, cl, owner)
+			r, err = c.reserveWrite(ctx, c.sql.reserve, cl)
 			if errors.Is(err, pgx.ErrNoRows) {
 				// The conflicting row committed after the statement's snapshot (or was
 				// deleted in between): run it again, pausing if the key churns.
@@ -251,7 +250,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		}
 		if r.inserted {
 			acq.held, acq.row = true, r
-			return acq, c.releaseIfCancelled(ctx, cl, owner)
+			return acq, c.releaseIfCancelled(ctx, cl, r.owner)
 		}
 		acq.answered = true
 
@@ -263,7 +262,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		}
 
 		if r.available() {
-			t, err := c.reserveWrite(ctx, c.sql.takeover, cl, owner)
+			t, err := c.reserveWrite(ctx, c.sql.takeover, cl)
 			if errors.Is(err, pgx.ErrNoRows) {
 				continue // another caller took it over first (or it was deleted): read again
 			}
@@ -277,7 +276,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 					slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", t.attempts))
 				c.emit(ctx, EventTakenOver, cl.namespace, 1)
 			}
-			return acq, c.releaseIfCancelled(ctx, cl, owner)
+			return acq, c.releaseIfCancelled(ctx, cl, t.owner)
 		}
 
 		if r.status != StatusInProgress {
@@ -319,11 +318,13 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 // the key for a lease and then count as a takeover that never was. The statement can block
 // behind another transaction's uncommitted record for the key (an open DoTx); a caller
 // cancelled meanwhile returns when it finishes, at most FinishTimeout later.
-func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call, owner pgtype.UUID) (row, error) {
+//
+// Each call makes a fresh owner token; a row the statement reserved carries it.
+func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (row, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
 	var r row
-	err := c.pool.QueryRow(ctx, sql, cl.namespace, cl.key, owner, cl.fingerprint,
+	err := c.pool.QueryRow(ctx, sql, cl.namespace, cl.key, newOwner(), cl.fingerprint,
 		micros(cl.lease), micros(cl.ttl)).Scan(r.scanTargets(true)...)
 	return r, err
 }

@@ -78,7 +78,7 @@ type storedFailure struct {
 
 // statements holds the protocol's SQL with the table name already quoted in.
 type statements struct {
-	reserve, takeover, heartbeat, complete, release, lookup, sweep string
+	reserve, takeover, heartbeat, complete, release, lookup, probe, sweep string
 
 	dotx  dotxStatements  // DoTx (dotx.go)
 	inbox inboxStatements // the inbox (inbox.go)
@@ -89,6 +89,11 @@ type statements struct {
 const rowColumns = `status, owner, attempts, fingerprint, result, error, lease_expires_at,
 	expires_at, created_at, updated_at, completed_at, expires_at <= now() AS expired,
 	(status = 'in_progress' AND lease_expires_at <= now()) AS lease_expired, now() AS db_now`
+
+// probeColumns are the columns of the probe statement, in probeTargets' order.
+const probeColumns = `status, attempts, fingerprint, result, error, lease_expires_at, completed_at,
+	expires_at <= now() AS expired, (status = 'in_progress' AND lease_expires_at <= now()) AS lease_expired,
+	now() AS db_now`
 
 func newStatements(schema string) statements {
 	t := qualify(schema, "pgidem_record")
@@ -165,6 +170,10 @@ WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`),
 
 		lookup: r.Replace(`SELECT {cols} FROM {t} WHERE namespace = $1 AND key = $2`),
 
+		// The read that starts every Do: only what deciding and replaying need, since a
+		// replay is this one statement.
+		probe: r.Replace(`SELECT ` + probeColumns + ` FROM {t} WHERE namespace = $1 AND key = $2`),
+
 		// Delete one batch of expired rows. SKIP LOCKED lets concurrent sweeps split the
 		// work instead of queueing; a live holder's row is never expired (the heartbeat
 		// keeps expires_at ahead of its lease).
@@ -207,6 +216,12 @@ func (r *row) scanTargets(withInserted bool) []any {
 		return append([]any{&r.inserted}, targets...)
 	}
 	return targets
+}
+
+// probeTargets are the scan targets of the probe statement.
+func (r *row) probeTargets() []any {
+	return []any{&r.status, &r.attempts, &r.fingerprint, &r.result, &r.failure,
+		&r.leaseExpires, &r.completedAt, &r.expired, &r.leaseExpired, &r.dbNow}
 }
 
 // available reports whether the row counts as absent: expired, or in progress with an

@@ -8,7 +8,7 @@ TEST_FLAGS    ?=
 BENCH         ?= .
 BENCH_COUNT   ?= 6
 
-.PHONY: all test lint demo bench build tidy
+.PHONY: all test lint demo bench bench-river build tidy
 
 all: lint test
 
@@ -32,10 +32,14 @@ demo:
 	$(GO) run ./examples/consumer
 	$(GO) run ./examples/riverworker
 
-## bench: benchmarks beside their raw-SQL baselines (see docs/performance.md).
+## bench: pgidem's benchmarks beside their raw-SQL baselines (see docs/performance.md).
 bench:
 	$(GO) test -run '^$$' -bench '$(BENCH)' -benchmem -count $(BENCH_COUNT) ./pgidem/ | tee bench.txt
 	$(GO) run $(BENCHSTAT) bench.txt
+
+## bench-river: jobs per second through River with and without the middleware.
+bench-river:
+	$(GO) test -run '^$$' -bench RiverThroughput -benchtime 3000x -count 4 ./river/
 
 tidy:
 	$(GO) mod tidy

@@ -25,8 +25,6 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -41,7 +39,6 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/pgidem/pgidem/internal/dbserver"
-	"github.com/pgidem/pgidem/migrations"
 	"github.com/pgidem/pgidem/pgidem"
 )
 
@@ -118,16 +115,12 @@ type app struct {
 
 func run(ctx context.Context, w io.Writer) (counts, error) {
 	var out counts
-	server, err := dbserver.Find(ctx)
+	scratch, err := dbserver.NewScratch(ctx, "pgidem_consumer_")
 	if err != nil {
 		return out, err
 	}
-	defer server.Close(ctx)
-	pool, drop, err := createDatabase(ctx, server.URL)
-	if err != nil {
-		return out, err
-	}
-	defer drop()
+	defer scratch.Close(ctx)
+	pool := scratch.Pool
 	if _, err := pool.Exec(ctx, `CREATE TABLE ledger (
 		id bigserial PRIMARY KEY, order_id text NOT NULL, amount_cents int NOT NULL, event_id text NOT NULL)`); err != nil {
 		return out, err
@@ -345,53 +338,4 @@ func (a *app) handle(ctx context.Context, member string, rec *kgo.Record, crashA
 		fmt.Fprintln(a.w, prefix+"inbox new, ledger row committed, "+mailNote)
 	}
 	return nil
-}
-
-// createDatabase creates a fresh database on the server, migrates it with pgidem's
-// migrations, and returns a pool on it and a function that closes the pool and drops the
-// database.
-func createDatabase(ctx context.Context, serverURL string) (*pgxpool.Pool, func(), error) {
-	var suffix [4]byte
-	_, _ = rand.Read(suffix[:])
-	name := pgx.Identifier{"pgidem_consumer_" + hex.EncodeToString(suffix[:])}
-	admin, err := pgx.Connect(ctx, serverURL)
-	if err != nil {
-		return nil, nil, err
-	}
-	defer admin.Close(ctx)
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+name.Sanitize()); err != nil {
-		return nil, nil, err
-	}
-	dropDB := func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		conn, err := pgx.Connect(ctx, serverURL)
-		if err != nil {
-			return
-		}
-		defer conn.Close(ctx)
-		_, _ = conn.Exec(ctx, "DROP DATABASE IF EXISTS "+name.Sanitize()+" WITH (FORCE)")
-	}
-	url, err := dbserver.ConnStringFor(serverURL, name[0])
-	if err != nil {
-		dropDB()
-		return nil, nil, err
-	}
-	db, err := migrations.OpenDB(url, "")
-	if err != nil {
-		dropDB()
-		return nil, nil, err
-	}
-	_, err = migrations.Up(ctx, db, nil)
-	db.Close()
-	if err != nil {
-		dropDB()
-		return nil, nil, err
-	}
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		dropDB()
-		return nil, nil, err
-	}
-	return pool, func() { pool.Close(); dropDB() }, nil
 }

@@ -11,8 +11,6 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -22,11 +20,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/pgidem/pgidem/internal/dbserver"
-	"github.com/pgidem/pgidem/migrations"
 	"github.com/pgidem/pgidem/pgidem"
 )
 
@@ -70,16 +64,12 @@ func (m *mailer) send(order int) string {
 const ttl = 24 * time.Hour
 
 func run(ctx context.Context, w io.Writer) ([]row, error) {
-	server, err := dbserver.Find(ctx)
+	scratch, err := dbserver.NewScratch(ctx, "pgidem_lab_")
 	if err != nil {
 		return nil, err
 	}
-	defer server.Close(ctx)
-	pool, drop, err := createDatabase(ctx, server.URL)
-	if err != nil {
-		return nil, err
-	}
-	defer drop()
+	defer scratch.Close(ctx)
+	pool := scratch.Pool
 
 	// A short lease keeps the raise row's retry quick; the heartbeat keeps slow workers'
 	// reservations alive however long they run.
@@ -267,50 +257,4 @@ func (l *lab) scene3(ctx context.Context) ([]row, error) {
 		rows = append(rows, r)
 	}
 	return rows, nil
-}
-
-// createDatabase makes a fresh database for the lab on the server, migrates it, and returns
-// a pool on it and a function that drops it.
-func createDatabase(ctx context.Context, serverURL string) (*pgxpool.Pool, func(), error) {
-	var suffix [4]byte
-	_, _ = rand.Read(suffix[:])
-	name := "pgidem_lab_" + hex.EncodeToString(suffix[:])
-	admin, err := pgx.Connect(ctx, serverURL)
-	if err != nil {
-		return nil, nil, err
-	}
-	defer admin.Close(ctx)
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
-		return nil, nil, err
-	}
-	drop := func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if conn, err := pgx.Connect(ctx, serverURL); err == nil {
-			_, _ = conn.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
-			conn.Close(ctx)
-		}
-	}
-	url, err := dbserver.ConnStringFor(serverURL, name)
-	if err != nil {
-		drop()
-		return nil, nil, err
-	}
-	db, err := migrations.OpenDB(url, "")
-	if err != nil {
-		drop()
-		return nil, nil, err
-	}
-	_, err = migrations.Up(ctx, db, nil)
-	db.Close()
-	if err != nil {
-		drop()
-		return nil, nil, err
-	}
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		drop()
-		return nil, nil, err
-	}
-	return pool, func() { pool.Close(); drop() }, nil
 }

@@ -14,8 +14,6 @@ package main
 import (
 	"bufio"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -35,7 +33,6 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/pgidem/pgidem/internal/dbserver"
-	"github.com/pgidem/pgidem/migrations"
 	"github.com/pgidem/pgidem/pgidem"
 	pgidemriver "github.com/pgidem/pgidem/river"
 )
@@ -178,17 +175,19 @@ type demo struct {
 }
 
 func run(ctx context.Context, w io.Writer) ([]Row, error) {
-	server, err := dbserver.Find(ctx)
+	scratch, err := dbserver.NewScratch(ctx, "pgidem_riverworker_")
 	if err != nil {
 		return nil, err
 	}
-	defer server.Close(ctx)
-	pool, url, drop, err := createDatabase(ctx, server.URL)
-	if err != nil {
+	defer scratch.Close(ctx)
+	// River's migrations under pgidem's advisory lock, then the demo's own tables.
+	if _, err := pgidemriver.MigrateRiver(ctx, scratch.Pool, nil); err != nil {
 		return nil, err
 	}
-	defer drop()
-	d := &demo{pool: pool, url: url, w: w}
+	if _, err := scratch.Pool.Exec(ctx, schema); err != nil {
+		return nil, err
+	}
+	d := &demo{pool: scratch.Pool, url: scratch.URL, w: w}
 	var rows []Row
 	for _, part := range []func(context.Context) ([]Row, error){d.invoices, d.scene1, d.scene2, d.scene3} {
 		r, err := part(ctx)
@@ -406,10 +405,12 @@ func runChild(spec string) {
 		fmt.Fprintln(os.Stderr, "riverworker child:", err)
 		os.Exit(3)
 	}
-	url, queue, ok := strings.Cut(spec, " ")
-	if !ok {
+	// The queue name is the last word; the URL before it may itself contain spaces.
+	i := strings.LastIndexByte(spec, ' ')
+	if i < 0 {
 		fail(fmt.Errorf("bad %s %q", childEnv, spec))
 	}
+	url, queue := spec[:i], spec[i+1:]
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
@@ -774,60 +775,4 @@ func sleep(ctx context.Context, d time.Duration) error {
 	case <-timer.C:
 		return nil
 	}
-}
-
-// createDatabase makes a fresh database on the server, runs pgidem's and River's
-// migrations and the demo's tables, and returns a pool on it, its URL and a function that
-// drops it.
-func createDatabase(ctx context.Context, serverURL string) (*pgxpool.Pool, string, func(), error) {
-	var suffix [4]byte
-	_, _ = rand.Read(suffix[:])
-	name := "pgidem_riverworker_" + hex.EncodeToString(suffix[:])
-	admin, err := pgx.Connect(ctx, serverURL)
-	if err != nil {
-		return nil, "", nil, err
-	}
-	defer admin.Close(ctx)
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
-		return nil, "", nil, err
-	}
-	var pool *pgxpool.Pool
-	drop := func() {
-		if pool != nil {
-			pool.Close()
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if conn, err := pgx.Connect(ctx, serverURL); err == nil {
-			_, _ = conn.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
-			conn.Close(ctx)
-		}
-	}
-	fail := func(err error) (*pgxpool.Pool, string, func(), error) {
-		drop()
-		return nil, "", nil, err
-	}
-	url, err := dbserver.ConnStringFor(serverURL, name)
-	if err != nil {
-		return fail(err)
-	}
-	db, err := migrations.OpenDB(url, "")
-	if err != nil {
-		return fail(err)
-	}
-	_, err = migrations.Up(ctx, db, nil)
-	db.Close()
-	if err != nil {
-		return fail(err)
-	}
-	if pool, err = pgxpool.New(ctx, url); err != nil {
-		return fail(err)
-	}
-	if _, err := pgidemriver.MigrateRiver(ctx, pool, nil); err != nil {
-		return fail(err)
-	}
-	if _, err := pool.Exec(ctx, schema); err != nil {
-		return fail(err)
-	}
-	return pool, url, drop, nil
 }

@@ -7,6 +7,8 @@ package dbserver
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	neturl "net/url"
@@ -15,8 +17,11 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/testcontainers/testcontainers-go"
 	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
+
+	"github.com/pgidem/pgidem/migrations"
 )
 
 // LocalDefault is the server tried when neither DATABASE_URL nor a PG* variable is set.
@@ -144,4 +149,103 @@ func ConnStringFor(serverURL, dbName string) (string, error) {
 	}
 	// Keyword/value form (or "" for the PG* variables): a later dbname overrides.
 	return strings.TrimSpace(serverURL + " dbname='" + strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(dbName) + "'"), nil
+}
+
+// Database is a database this process created on a server, to be dropped when done.
+type Database struct {
+	// Name is the database's name.
+	Name string
+	// URL connects to it.
+	URL string
+
+	serverURL string
+}
+
+// CreateDatabase creates an empty database named prefix followed by random hex, cloned from
+// template when template is non-empty.
+func (s *Server) CreateDatabase(ctx context.Context, prefix, template string) (*Database, error) {
+	var suffix [6]byte
+	_, _ = rand.Read(suffix[:])
+	name := prefix + hex.EncodeToString(suffix[:])
+	admin, err := pgx.Connect(ctx, s.URL)
+	if err != nil {
+		return nil, fmt.Errorf("connect to server: %w", err)
+	}
+	defer admin.Close(context.WithoutCancel(ctx))
+	create := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
+	if template != "" {
+		create += " TEMPLATE " + pgx.Identifier{template}.Sanitize()
+	}
+	if _, err := admin.Exec(ctx, create); err != nil {
+		return nil, fmt.Errorf("%s: %w", create, err)
+	}
+	db := &Database{Name: name, serverURL: s.URL}
+	if db.URL, err = ConnStringFor(s.URL, name); err != nil {
+		return nil, errors.Join(err, db.Drop(ctx))
+	}
+	return db, nil
+}
+
+// Drop drops the database, ending its open connections. It runs on its own 30 s timeout,
+// detached from ctx's cancellation, so cleanup after a cancelled run still happens.
+func (d *Database) Drop(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	admin, err := pgx.Connect(ctx, d.serverURL)
+	if err != nil {
+		return fmt.Errorf("drop %s: connect: %w", d.Name, err)
+	}
+	defer admin.Close(ctx)
+	if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{d.Name}.Sanitize()+" WITH (FORCE)"); err != nil {
+		return fmt.Errorf("drop %s: %w", d.Name, err)
+	}
+	return nil
+}
+
+// Scratch is a migrated database for an example program, on the server [Find] chose.
+type Scratch struct {
+	*Database
+	// Pool is a pool on the database.
+	Pool *pgxpool.Pool
+
+	server *Server
+}
+
+// NewScratch finds a server, creates a database named prefix plus random hex on it and
+// runs pgidem's migrations. Close drops it.
+func NewScratch(ctx context.Context, prefix string) (*Scratch, error) {
+	server, err := Find(ctx)
+	if err != nil {
+		return nil, err
+	}
+	db, err := server.CreateDatabase(ctx, prefix, "")
+	if err != nil {
+		return nil, errors.Join(err, server.Close(ctx))
+	}
+	s := &Scratch{Database: db, server: server}
+	if err := s.migrate(ctx); err != nil {
+		return nil, errors.Join(err, s.Close(ctx))
+	}
+	if s.Pool, err = pgxpool.New(ctx, db.URL); err != nil {
+		return nil, errors.Join(err, s.Close(ctx))
+	}
+	return s, nil
+}
+
+func (s *Scratch) migrate(ctx context.Context) error {
+	sqlDB, err := migrations.OpenDB(s.URL, "")
+	if err != nil {
+		return err
+	}
+	defer sqlDB.Close()
+	_, err = migrations.Up(ctx, sqlDB, nil)
+	return err
+}
+
+// Close closes the pool, drops the database and stops a container started for it.
+func (s *Scratch) Close(ctx context.Context) error {
+	if s.Pool != nil {
+		s.Pool.Close()
+	}
+	return errors.Join(s.Drop(ctx), s.server.Close(ctx))
 }

@@ -11,7 +11,6 @@ package testdb
 
 import (
 	"context"
-	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -197,44 +196,20 @@ func Create(ctx context.Context, migrated bool) (*DB, func() error, error) {
 	if shared.err != nil {
 		return nil, nil, shared.err
 	}
-	var suffix [6]byte
-	_, _ = rand.Read(suffix[:])
-	name := "pgidem_test_" + hex.EncodeToString(suffix[:])
-
-	admin, err := pgx.Connect(ctx, shared.server.URL)
-	if err != nil {
-		return nil, nil, fmt.Errorf("connect to server: %w", err)
-	}
-	defer admin.Close(ctx)
-	create := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
+	template := ""
 	if migrated {
-		create += " TEMPLATE " + pgx.Identifier{shared.template}.Sanitize()
+		template = shared.template
 	}
-	if _, err := admin.Exec(ctx, create); err != nil {
-		return nil, nil, fmt.Errorf("%s: %w", create, err)
-	}
-	drop := func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		admin, err := pgx.Connect(ctx, shared.server.URL)
-		if err != nil {
-			return fmt.Errorf("drop %s: connect: %w", name, err)
-		}
-		defer admin.Close(ctx)
-		if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
-			return fmt.Errorf("drop %s: %w", name, err)
-		}
-		return nil
-	}
-	url, err := dbserver.ConnStringFor(shared.server.URL, name)
+	db, err := shared.server.CreateDatabase(ctx, "pgidem_test_", template)
 	if err != nil {
-		return nil, nil, errors.Join(err, drop())
+		return nil, nil, err
 	}
-	pool, err := pgxpool.New(ctx, url)
+	pool, err := pgxpool.New(ctx, db.URL)
 	if err != nil {
-		return nil, nil, errors.Join(err, drop())
+		return nil, nil, errors.Join(err, db.Drop(ctx))
 	}
-	return &DB{Name: name, URL: url, Pool: pool}, func() error { pool.Close(); return drop() }, nil
+	drop := func() error { pool.Close(); return db.Drop(ctx) }
+	return &DB{Name: db.Name, URL: db.URL, Pool: pool}, drop, nil
 }
 
 // ServerURL returns the URL of the server the test databases live on, failing the test when

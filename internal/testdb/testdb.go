@@ -97,9 +97,6 @@ func ensureTemplate(ctx context.Context, serverURL, name string) error {
 	if err != nil {
 		return fmt.Errorf("testdb: look up template: %w", err)
 	}
-	if ready {
-		return nil
-	}
 	// Templates of earlier migration revisions are no longer used: remove them.
 	rows, err := conn.Query(ctx, "SELECT datname FROM pg_database WHERE datname LIKE 'pgidem\\_tmpl\\_%' AND datname <> $1", name)
 	if err != nil {
@@ -117,6 +114,9 @@ func ensureTemplate(ctx context.Context, serverURL, name string) error {
 		if _, err := conn.Exec(ctx, "DROP DATABASE "+ident+" WITH (FORCE)"); err != nil {
 			return fmt.Errorf("testdb: drop old template %s: %w", db, err)
 		}
+	}
+	if ready {
+		return nil
 	}
 	// A half-made template from a killed run is not marked datistemplate: start over.
 	if _, err := conn.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {

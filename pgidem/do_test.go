@@ -635,6 +635,34 @@ func (s *syncWriter) Write(p []byte) (int, error) {
 	return s.w.Write(p)
 }
 
+func TestBackendTerminatedBeforeFn(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	// A pool of one connection whose backend an admin (or a failover) has terminated.
+	cfg, err := pgxpool.ParseConfig(b.db.URL)
+	require.NoError(t, err)
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	var pid int
+	require.NoError(t, pool.QueryRow(b.ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	var terminated bool
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, "SELECT pg_terminate_backend($1, 5000)", pid).Scan(&terminated))
+	require.True(t, terminated)
+
+	coord := b.newCoordOn(t, pool, nil)
+	ran := false
+	_, err = pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { ran = true; return 1, nil })
+	require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+	require.False(t, ran, "fn must not run when the reservation could not be made")
+
+	// The pool replaces the dead connection; the next delivery reserves and runs.
+	v, err := pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 2, nil })
+	require.NoError(t, err)
+	require.Equal(t, 2, v)
+}
+
 func TestBackendTerminatedDuringFn(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/internal/testdb"
@@ -33,6 +34,14 @@ func setup(t *testing.T, config *pgidem.Config) *testBundle {
 func (b *testBundle) newCoord(t *testing.T, config *pgidem.Config) *pgidem.Coordinator {
 	t.Helper()
 	coord, err := pgidem.NewCoordinator(b.db.Pool, config)
+	require.NoError(t, err)
+	return coord
+}
+
+// newCoordOn returns a coordinator on another pool.
+func (b *testBundle) newCoordOn(t *testing.T, pool *pgxpool.Pool, config *pgidem.Config) *pgidem.Coordinator {
+	t.Helper()
+	coord, err := pgidem.NewCoordinator(pool, config)
 	require.NoError(t, err)
 	return coord
 }

@@ -2,6 +2,7 @@ package pgidem
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -109,6 +110,9 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // returns ctx.Err() and changes nothing. Safe for concurrent use.
 func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context) (T, error)) (Result[T], error) {
 	var res Result[T]
+	if c == nil || fn == nil {
+		return res, errors.New("pgidem: Do: the coordinator and fn must not be nil")
+	}
 	call, err := c.newCall(namespace, key, ttl, opts)
 	if err != nil {
 		c.emit(ctx, EventInvalidKey, namespace, 1)
@@ -119,9 +123,8 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 	if err != nil {
 		// Fail open only when the store could not be reached at all: once it answered (a
 		// live holder, an uncommitted DoTx record), running fn could run it beside another
-		// holder, and a server
-		// that answered with an error (a missing table, a wrong schema) is a
-		// misconfiguration that must not silently turn deduplication off.
+		// holder, and a server that answered with an error (a missing table, a wrong
+		// schema) is a misconfiguration that must not silently turn deduplication off.
 		if c.config.FailOpen && errors.Is(err, ErrStoreUnavailable) && !isServerError(err) && !acq.answered && ctx.Err() == nil {
 			c.config.Logger.WarnContext(ctx, "pgidem: store unavailable, running effect unprotected (FailOpen)",
 				slog.String("namespace", namespace), slog.String("key", key), slog.String("error", err.Error()))
@@ -172,9 +175,9 @@ func (c *Coordinator) newCall(namespace, key string, ttl time.Duration, opts *Do
 		namespace:   namespace,
 		key:         key,
 		ttl:         ttl,
-		lease:       orDefault(opts.Lease, c.config.Lease),
-		waitTimeout: orDefault(opts.WaitTimeout, c.config.WaitTimeout),
-		policy:      orDefault(opts.InFlight, c.config.InFlight),
+		lease:       cmp.Or(opts.Lease, c.config.Lease),
+		waitTimeout: cmp.Or(opts.WaitTimeout, c.config.WaitTimeout),
+		policy:      cmp.Or(opts.InFlight, c.config.InFlight),
 		fingerprint: opts.Fingerprint,
 	}
 	if ttl < c.config.MinTTL || cl.lease < LeaseMin || cl.lease >= ttl {
@@ -187,14 +190,6 @@ func (c *Coordinator) newCall(namespace, key string, ttl time.Duration, opts *Do
 		return nil, fmt.Errorf("pgidem: DoOpts.InFlight %d is not a known policy", cl.policy)
 	}
 	return cl, nil
-}
-
-func orDefault[T comparable](v, def T) T {
-	var zero T
-	if v == zero {
-		return def
-	}
-	return v
 }
 
 // acquisition is the outcome of acquire: either this caller holds the reservation (held),

@@ -774,3 +774,13 @@ func TestSweep(t *testing.T) {
 	require.EqualValues(t, 25, swept.Load())
 	require.Equal(t, 6, b.count(t), "live records and the held reservation stay")
 }
+
+func TestNilArguments(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	_, err := pgidem.Do[int](b.ctx, b.coord, "mail", "k", testTTL, nil, nil)
+	require.ErrorContains(t, err, "must not be nil")
+	_, err = pgidem.Do(b.ctx, nil, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+	require.ErrorContains(t, err, "must not be nil")
+	require.Equal(t, 0, b.count(t))
+}

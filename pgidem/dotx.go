@@ -213,13 +213,13 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // the effect lives in the same database. DoTx is safe for concurrent use on different
 // transactions; a pgx.Tx itself is not safe for concurrent use.
 func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (Result[T], error) {
+	if c == nil || tx == nil || fn == nil {
+		return Result[T]{}, errors.New("pgidem: DoTx: the coordinator, tx and fn must not be nil")
+	}
 	cl, err := c.newCall(namespace, key, ttl, opts)
 	if err != nil {
 		c.emit(ctx, EventInvalidKey, namespace, 1)
 		return Result[T]{}, err
-	}
-	if tx == nil {
-		return Result[T]{}, errors.New("pgidem: DoTx: tx is nil")
 	}
 	res, _, err := doTx(ctx, c, tx, cl, fn)
 	return res, err

@@ -1,6 +1,7 @@
 package pgidem
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -127,7 +128,7 @@ func (c *Coordinator) newInboxCall(consumer, messageID string, opts *InboxOpts) 
 		return nil, err
 	}
 	ic := &inboxCall{consumer: consumer, messageID: messageID,
-		retention: orDefault(opts.Retention, InboxRetentionDefault), payload: opts.Payload}
+		retention: cmp.Or(opts.Retention, InboxRetentionDefault), payload: opts.Payload}
 	if ic.retention < c.config.MinTTL {
 		return nil, &InvalidTTLError{TTL: ic.retention, MinTTL: c.config.MinTTL, Lease: c.config.Lease}
 	}

@@ -468,7 +468,8 @@ func TestConnection(t *testing.T) {
 		empty := testdb.NewUnmigrated(t)
 		for _, args := range [][]string{{"records", "list"}, {"records", "show", "a", "b"}, {"records", "forget", "a", "b"}, {"stats"}, {"sweep"}} {
 			line := requireFail(t, cli(t, empty.URL, args...), 1)
-			require.Contains(t, line, "table pgidem_record not found in the connection's search_path; run 'pgidem migrate up' or pass --schema", args)
+			require.Contains(t, line, "table pgidem_record not found in the connection's search_path of database "+strconv.Quote(empty.Name), args)
+			require.Contains(t, line, "run 'pgidem migrate up' or pass --schema", args)
 		}
 	})
 }

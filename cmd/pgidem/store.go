@@ -73,7 +73,9 @@ func (s *store) missingTable(op string, err error) error {
 	if s.schema != "" {
 		where = fmt.Sprintf("schema %q", s.schema)
 	}
-	return fmt.Errorf("pgidem: %s: table %s not found in %s; run 'pgidem migrate up' or pass --schema", op, recordTable, where)
+	cc := s.pool.Config().ConnConfig
+	return fmt.Errorf("pgidem: %s: table %s not found in %s of database %q (user %q on %s:%d); run 'pgidem migrate up' or pass --schema or --database-url",
+		op, recordTable, where, cc.Database, cc.User, cc.Host, cc.Port)
 }
 
 // record is one row of pgidem_record with times derived from the database clock. It is

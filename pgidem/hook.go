@@ -45,8 +45,8 @@ type Event struct {
 	Count int64
 }
 
-// Hook receives outcome events, typically to increment counters (an adapter that adds
-// each event to an OpenTelemetry counter is a few lines). OnEvent is called synchronously on the caller's goroutine, possibly from
+// Hook receives outcome events, typically to increment counters (package pgidemotel,
+// github.com/pgidem/pgidem/otel, adds each event to an OpenTelemetry counter). OnEvent is called synchronously on the caller's goroutine, possibly from
 // many goroutines at once: it must be fast and safe for concurrent use.
 type Hook interface {
 	OnEvent(ctx context.Context, event Event)

@@ -1,7 +1,7 @@
 package pgidem_test
 
 // Review tests: a skeptical pass over the reservation protocol (Do/DoResult). Tests named
-// TestReview* that pass confirm behaviour worth keeping; the ones that fail demonstrate a
+// Test* that pass confirm behaviour worth keeping; the ones that fail demonstrate a
 // finding (see the comment above each).
 
 import (
@@ -54,7 +54,7 @@ func reviewRaise() *pgidem.DoOpts { return &pgidem.DoOpts{InFlight: pgidem.InFli
 
 // Two takers of an expired lease: the second one's UPDATE blocks on the first's row lock,
 // re-checks the WHERE clause on the new row version (READ COMMITTED) and updates nothing.
-func TestReviewTakeoverRecheckUnderReadCommitted(t *testing.T) {
+func TestTakeoverRecheckUnderReadCommitted(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	reviewInsert(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
@@ -87,7 +87,7 @@ func TestReviewTakeoverRecheckUnderReadCommitted(t *testing.T) {
 // The reserve CTE when the conflicting row commits after the statement's snapshot: neither
 // branch returns a row and the caller runs it again; when the conflicting insert rolls back,
 // the caller's insert proceeds.
-func TestReviewReserveSnapshotRetry(t *testing.T) {
+func TestReserveSnapshotRetry(t *testing.T) {
 	t.Parallel()
 	for _, commit := range []bool{true, false} {
 		name := "Rollback"
@@ -134,7 +134,7 @@ func TestReviewReserveSnapshotRetry(t *testing.T) {
 }
 
 // Sweep vs a concurrent takeover of the same expired row, in both lock orders.
-func TestReviewSweepVsTakeover(t *testing.T) {
+func TestSweepVsTakeover(t *testing.T) {
 	t.Parallel()
 
 	t.Run("SweepFirst", func(t *testing.T) {
@@ -199,7 +199,7 @@ func assertNoErr(t *testing.T, err error) {
 
 // Replays and in-progress checks are pure reads: the row's xmin/xmax never change (a row lock
 // as taken by ON CONFLICT DO UPDATE ... WHERE false would set xmax).
-func TestReviewReadPathsNeverWrite(t *testing.T) {
+func TestReadPathsNeverWrite(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	version := func() string {
@@ -237,7 +237,7 @@ func TestReviewReadPathsNeverWrite(t *testing.T) {
 
 // An empty (non-nil) fingerprint is a fingerprint: Go's mismatch check and the takeover
 // statement's WHERE clause agree, so a lease-expired row does not make acquire spin.
-func TestReviewEmptyFingerprint(t *testing.T) {
+func TestEmptyFingerprint(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	reviewInsert(t, b, "expired-lease", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", []byte{})
@@ -255,7 +255,7 @@ func TestReviewEmptyFingerprint(t *testing.T) {
 }
 
 // Many callers racing to take over one dead holder's lease: fn runs once, attempts 2.
-func TestReviewConcurrentTakeover(t *testing.T) {
+func TestConcurrentTakeover(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	reviewInsert(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
@@ -290,7 +290,7 @@ func TestReviewConcurrentTakeover(t *testing.T) {
 
 // Key edge cases: C1 controls, DEL, invalid UTF-8, encoded surrogates, the byte limit with
 // multi-byte characters. fn never runs for an invalid key.
-func TestReviewKeyEdgeCases(t *testing.T) {
+func TestKeyEdgeCases(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	ran := false
@@ -324,7 +324,7 @@ func TestReviewKeyEdgeCases(t *testing.T) {
 // skips the finishing write entirely — although nobody took the row over and the
 // owner-conditional UPDATE would succeed. fn's success is thrown away, the record stays in
 // progress, and the next delivery takes over and repeats the effect (attempts 2).
-func TestReviewHeartbeatStoreErrorSkipsFinish(t *testing.T) {
+func TestHeartbeatOutageStillFinishes(t *testing.T) {
 	t.Parallel()
 	b := setup(t, &pgidem.Config{Lease: 300 * time.Millisecond})
 	var runs atomic.Int32
@@ -373,7 +373,7 @@ func (m reviewMarshal) MarshalJSON() ([]byte, error) {
 // after the heartbeat stopped, so neither the panic release nor the complete runs: the row is
 // left in progress with no heartbeat, and after one lease the next delivery takes over and
 // repeats the effect.
-func TestReviewMarshalPanicLeavesReservation(t *testing.T) {
+func TestMarshalPanicStoresRecord(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	var runs atomic.Int32
@@ -400,7 +400,7 @@ func TestReviewMarshalPanicLeavesReservation(t *testing.T) {
 // Regression: FailOpen applies to every store error in acquire, including a lookup that fails
 // while *waiting* for a holder that the caller has already seen alive. The waiter then runs
 // fn unprotected beside the live holder: a near-certain duplicate, not a degraded mode.
-func TestReviewFailOpenWhileWaitingRunsBesideHolder(t *testing.T) {
+func TestFailOpenNeverBesideHolder(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 
@@ -472,7 +472,7 @@ func (c *reviewQueryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.Trace
 // which wraps negative for d > ~MaxInt64/1.5, and backoff*2 wraps (with PollIntervalMax =
 // MaxInt64 and the default min it reaches 0 after ~57 polls and stays there). A negative or
 // zero sleep turns the wait loop into a hot loop hammering the database.
-func TestReviewPollIntervalOverflowHotLoop(t *testing.T) {
+func TestPollIntervalBounded(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	// Huge intervals overflowed the backoff arithmetic into a hot loop; they are refused.
@@ -503,7 +503,7 @@ func TestReviewPollIntervalOverflowHotLoop(t *testing.T) {
 
 // Regression: json.Marshal silently replaces invalid UTF-8 in strings with U+FFFD, so the replay
 // returns a different value from the one fn returned (and the first caller got).
-func TestReviewReplayInvalidUTF8(t *testing.T) {
+func TestInvalidUTF8ResultNotStorable(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	sig := "sig:\xff\xfe" // raw bytes, e.g. a provider's binary token in a string
@@ -523,7 +523,7 @@ func TestReviewReplayInvalidUTF8(t *testing.T) {
 // Regression: the NUL check in run() is bytes.Contains(json, `\u0000`), which also matches the
 // escaped text backslash-u-0-0-0-0 (encoded as `\\u0000`). A perfectly storable result is
 // recorded as a failure and every caller gets ErrResultNotStorable.
-func TestReviewLiteralBackslashU0000(t *testing.T) {
+func TestLiteralBackslashU0000Storable(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	text := `escape NUL as \u0000 in JSON`
@@ -539,7 +539,7 @@ func TestReviewLiteralBackslashU0000(t *testing.T) {
 
 // Documented limits of replay through jsonb: T = json.RawMessage comes back as the same JSON
 // value in jsonb's normal form; T = any decodes numbers as float64 (encoding/json's rule).
-func TestReviewReplayJSONRoundTrip(t *testing.T) {
+func TestReplayJSONLimits(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	t.Run("RawMessage", func(t *testing.T) {
@@ -563,7 +563,7 @@ func TestReviewReplayJSONRoundTrip(t *testing.T) {
 }
 
 // Regression: errors not of the documented type.
-func TestReviewErrorTypes(t *testing.T) {
+func TestErrorTypes(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	fn := func(context.Context) (int, error) { return 1, nil }
@@ -585,7 +585,7 @@ func TestReviewErrorTypes(t *testing.T) {
 // internal driver deadline) produces exactly such an error when the server hangs, so the call
 // returns a bare timeout that does not match ErrStoreUnavailable — and FailOpen never engages
 // in the most common outage mode — although the caller's context is fine.
-func TestReviewConnectTimeoutIsStoreError(t *testing.T) {
+func TestConnectTimeoutIsStoreError(t *testing.T) {
 	t.Parallel()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -635,7 +635,7 @@ func reviewFn1(context.Context) (int, error) { return 1, nil }
 
 // Regression: sweep options accepted but misbehaving: a negative MaxBatches silently
 // sweeps nothing; a negative BatchSize becomes a SQL error reported as ErrStoreUnavailable.
-func TestReviewSweepNegativeOpts(t *testing.T) {
+func TestSweepRejectsNegativeOpts(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	reviewInsert(t, b, "old", "completed", "NULL", "now() - interval '1 second'", nil)
@@ -648,7 +648,7 @@ func TestReviewSweepNegativeOpts(t *testing.T) {
 
 // Regression: hook.go promises exactly one outcome event (Executed, Replayed, InProgress,
 // InvalidKey, StoreError, FailOpen) per call; a fingerprint mismatch reports none.
-func TestReviewHookOneOutcome(t *testing.T) {
+func TestHookOneOutcome(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	var mu sync.Mutex

@@ -46,10 +46,11 @@ type TTLWarning struct {
 // retried by hand — and logs a warning for each kind whose TTL is shorter. It returns the
 // warnings, sorted by kind; none means every registered kind is covered.
 //
-// Call it with the river.Config you pass to river.NewClient, before Client.Start: River
-// v0.51 has no hook that runs when a client starts and lists its registered workers (the
-// Workers bundle is opaque, and HookPeriodicJobsStart runs only on the leader), so the
-// check cannot run by itself. It does not touch the database.
+// [NewClient] runs it when it creates the client. Otherwise call it with the river.Config
+// you pass to river.NewClient, before Client.Start: River v0.51 has no hook that runs when
+// a client starts and lists its registered workers (the Workers bundle is opaque, and
+// HookPeriodicJobsStart runs only on the leader), so the middleware cannot run the check
+// by itself. It does not touch the database.
 //
 // The horizon is deliberately conservative: it assumes every attempt before the last
 // could be the one whose completion River lost. With River's defaults (25 attempts, about

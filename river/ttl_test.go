@@ -1,12 +1,15 @@
 package pgidemriver_test
 
 import (
+	"bytes"
 	"context"
+	"log/slog"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
@@ -73,4 +76,25 @@ func TestCheckTTL(t *testing.T) {
 	warnings = mw.CheckTTL(ctx, &river.Config{MaxAttempts: 5, DiscardedJobRetentionPeriod: -1})
 	require.Len(t, warnings, 2)
 	require.Equal(t, pgidemriver.HorizonInfinite, warnings[0].Horizon)
+}
+
+func TestNewClientChecksTTL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	// Creating a client does not connect.
+	pool, err := pgxpool.New(ctx, "postgres://127.0.0.1:1/none")
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	coord, err := pgidem.NewCoordinator(pool, nil)
+	require.NoError(t, err)
+	var logs bytes.Buffer
+	mw, err := pgidemriver.NewMiddleware(coord, &pgidemriver.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	require.NoError(t, err)
+	mw.Register(InvoiceArgs{})
+
+	client, err := pgidemriver.NewClient(riverpgxv5.New(pool), &river.Config{Middleware: []rivertype.Middleware{mw}})
+	require.NoError(t, err)
+	require.NotNil(t, client)
+	require.Contains(t, logs.String(), "record TTL is shorter than River's redelivery horizon")
+	require.Contains(t, logs.String(), "job_kind=mail.invoice")
 }

@@ -254,7 +254,8 @@ func (d *demo) invoices(ctx context.Context) ([]Row, error) {
 	for _, warning := range mw.CheckTTL(ctx, config) {
 		fmt.Fprintf(d.w, "  TTL warning: %s ttl=%s horizon=%s\n", warning.Kind, warning.TTL, warning.Horizon)
 	}
-	client, err := river.NewClient(riverpgxv5.New(d.pool), config)
+	// pgidemriver.NewClient logs the same check when it creates the client.
+	client, err := pgidemriver.NewClient(riverpgxv5.New(d.pool), config)
 	if err != nil {
 		return nil, err
 	}

@@ -113,12 +113,13 @@ type Config struct {
 	MaxKeyBytes       int
 	MaxNamespaceBytes int
 
-	// FailOpen, when true, runs fn unprotected when the store cannot be reached before fn
-	// would run (no connection, a network error, a driver timeout), instead of returning
-	// [ErrStoreUnavailable]. It never applies when the server answered with an error (a
-	// missing table, a wrong [Config.Schema]: those are returned), when a record for the
-	// key was already read, or to an invalid key. Each such run is logged at warn and
-	// reported as [EventFailOpen]. Default false: never run unprotected.
+	// FailOpen, when true, runs fn unprotected when no connection to the store can be made
+	// before fn would run (refused, timed out, authentication failed: pgconn.ConnectError),
+	// instead of returning [ErrStoreUnavailable]. It never applies once the store answered
+	// (a record was read, or a statement was sent and may have reserved the key), when the
+	// server answered with an error (a missing table, a wrong [Config.Schema]: those are
+	// returned), or to an invalid key. Each such run is logged at warn and reported as
+	// [EventFailOpen]. Default false: never run unprotected.
 	FailOpen bool
 
 	// Logger receives a record of every unusual transition (takeover, lease lost,

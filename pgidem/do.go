@@ -36,6 +36,16 @@ type DoOpts struct {
 	// Lease overrides [Config.Lease] for this call; at least [LeaseMin] and shorter than
 	// the TTL. Default 0: the config's.
 	Lease time.Duration
+
+	// ReserveFirst skips the indexed read a call starts with and goes straight to the
+	// reserving INSERT … ON CONFLICT DO NOTHING, which returns an existing record in the
+	// same round trip (and takes no lock or transaction id when it finds one). It saves a
+	// round trip when keys are usually new — queue jobs, where replays are the exception —
+	// and costs more per replay (that statement reads the existing row at about 1.7× the
+	// plain read; docs/performance.md). Default false: read first, which makes replays one
+	// plain indexed read. Either way the protocol and its guarantees are the same. DoTx and
+	// DoInTx ignore it (they read under an advisory lock).
+	ReserveFirst bool
 }
 
 // Result is what [DoResult] returns: fn's value and how it was obtained.
@@ -121,11 +131,13 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 	acq, err := c.acquire(ctx, call)
 	res.Waited, res.TookOver = acq.waited, acq.tookOver
 	if err != nil {
-		// Fail open only when the store could not be reached at all: once it answered (a
-		// live holder, an uncommitted DoTx record), running fn could run it beside another
-		// holder, and a server that answered with an error (a missing table, a wrong
-		// schema) is a misconfiguration that must not silently turn deduplication off.
-		if c.config.FailOpen && errors.Is(err, ErrStoreUnavailable) && !isServerError(err) && !acq.answered && ctx.Err() == nil {
+		// Fail open only when no connection to the store could be made, so no reservation
+		// can exist: once the store answered (a live holder, an uncommitted DoTx record)
+		// running fn could run it beside another holder; a statement cut off mid-way may
+		// have reserved the key; and a server that answered with an error (a missing
+		// table, a wrong schema) is a misconfiguration that must not silently turn
+		// deduplication off.
+		if c.config.FailOpen && isConnectError(err) && !acq.answered && ctx.Err() == nil {
 			c.config.Logger.WarnContext(ctx, "pgidem: store unavailable, running effect unprotected (FailOpen)",
 				slog.String("namespace", namespace), slog.String("key", key), slog.String("error", err.Error()))
 			c.emit(ctx, EventFailOpen, namespace, 1)
@@ -162,6 +174,7 @@ type call struct {
 	waitTimeout    time.Duration
 	policy         InFlightPolicy
 	fingerprint    []byte
+	reserveFirst   bool
 }
 
 func (c *Coordinator) newCall(namespace, key string, ttl time.Duration, opts *DoOpts) (*call, error) {
@@ -172,13 +185,14 @@ func (c *Coordinator) newCall(namespace, key string, ttl time.Duration, opts *Do
 		return nil, err
 	}
 	cl := &call{
-		namespace:   namespace,
-		key:         key,
-		ttl:         ttl,
-		lease:       cmp.Or(opts.Lease, c.config.Lease),
-		waitTimeout: cmp.Or(opts.WaitTimeout, c.config.WaitTimeout),
-		policy:      cmp.Or(opts.InFlight, c.config.InFlight),
-		fingerprint: opts.Fingerprint,
+		namespace:    namespace,
+		key:          key,
+		ttl:          ttl,
+		lease:        cmp.Or(opts.Lease, c.config.Lease),
+		waitTimeout:  cmp.Or(opts.WaitTimeout, c.config.WaitTimeout),
+		policy:       cmp.Or(opts.InFlight, c.config.InFlight),
+		fingerprint:  opts.Fingerprint,
+		reserveFirst: opts.ReserveFirst,
 	}
 	if ttl < c.config.MinTTL || cl.lease < LeaseMin || cl.lease >= ttl {
 		return nil, &InvalidTTLError{TTL: ttl, MinTTL: c.config.MinTTL, Lease: cl.lease}
@@ -215,19 +229,27 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 	var waitStart time.Time
 	backoff := c.config.PollIntervalMin
 	snapshotRetries := 0
+	rounds := 0
 	for {
 		if err := ctx.Err(); err != nil {
 			return acq, err
 		}
 		// A plain indexed read first: replays and in-progress checks, the paths that must
-		// stay cheap, cost one read and never write.
+		// stay cheap, cost one read and never write. Under ReserveFirst the first round
+		// goes straight to the reserving insert, which reads an existing row itself.
 		var r row
-		err := c.pool.QueryRow(ctx, c.sql.probe, cl.namespace, cl.key).Scan(r.probeTargets()...)
-		if errors.Is(err, pgx.ErrNoRows) {
+		err := pgx.ErrNoRows
+		if !cl.reserveFirst || rounds > 0 {
+			err = c.pool.QueryRow(ctx, c.sql.probe, cl.namespace, cl.key).Scan(r.probeTargets()...)
 			// The store answered. From here on a failure is not "unreachable": the
 			// reserving insert may be blocked behind another transaction's uncommitted
 			// record for the key (an open DoTx), and failing open would run fn beside it.
-			acq.answered = true
+			if err == nil || errors.Is(err, pgx.ErrNoRows) {
+				acq.answered = true
+			}
+		}
+		rounds++
+		if errors.Is(err, pgx.ErrNoRows) {
 			r, err = c.reserveWrite(ctx, c.sql.reserve, cl)
 			if errors.Is(err, pgx.ErrNoRows) {
 				// The conflicting row committed after the statement's snapshot (or was

@@ -163,11 +163,11 @@ const (
 	sqlstateClassDataException = "22"
 )
 
-// isServerError reports whether err carries an error the Postgres server returned: the
-// store was reachable.
-func isServerError(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr)
+// isConnectError reports whether err is a failure to open a connection (refused, timed
+// out, authentication): nothing was sent to the store.
+func isConnectError(err error) bool {
+	var connectErr *pgconn.ConnectError
+	return errors.As(err, &connectErr)
 }
 
 // Unwrap returns [ErrStoreUnavailable] and the underlying error.

@@ -267,7 +267,9 @@ type Stats struct {
 //     [Config.KeyFunc], else the job id ([KeySourceJobID]). Namespace: [NamespaceArgs],
 //     else the canonical kind of the registered args type (the job kind when the type is
 //     not registered).
-//  2. Reserve the key ([pgidem.DoResult]) within [Config.SQLTimeout].
+//  2. Reserve the key ([pgidem.DoResult]) within [Config.SQLTimeout], with
+//     [pgidem.DoOpts.ReserveFirst]: most jobs name a new key, so the reserving insert is
+//     the first statement (it returns a completed record itself when there is one).
 //  3. Completed before: return nil without running the worker (replay).
 //     In progress elsewhere: snooze or wait ([Config.InFlight]).
 //     Otherwise: run the worker (doInner) while a heartbeat renews the lease for as long
@@ -505,7 +507,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	defer timer.Stop()
 
 	ran, succeeded := false, false // the worker started; it returned nil
-	opts := &pgidem.DoOpts{InFlight: m.config.InFlight, WaitTimeout: m.config.WaitTimeout}
+	opts := &pgidem.DoOpts{InFlight: m.config.InFlight, WaitTimeout: m.config.WaitTimeout, ReserveFirst: true}
 	res, err := pgidem.DoResult(reserveCtx, m.coord, out.Namespace, out.Key, ttl, opts,
 		func(fnCtx context.Context) (effectRecord, error) {
 			if !timer.Stop() {

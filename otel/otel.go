@@ -2,8 +2,9 @@
 //
 // [Hook] implements [pgidem.Hook]: install it in [pgidem.Config.Hook] and every outcome
 // (executed, replayed, in progress, waited, taken over, lease lost, store error, invalid
-// key, fingerprint mismatch, fail-open, swept) adds to one counter, [EventsMetric], with the
-// event kind and the record's namespace as attributes:
+// key, fingerprint mismatch, fail-open, swept, inbox recorded, inbox duplicate) adds to
+// one counter, [EventsMetric], with the event kind and the record's namespace (the
+// consumer, for inbox events) as attributes:
 //
 //	hook, err := pgidemotel.NewHook(meterProvider)
 //	if err != nil { ... }
@@ -16,6 +17,7 @@ package pgidemotel
 import (
 	"context"
 	"errors"
+	"fmt"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -55,9 +57,9 @@ func NewHook(provider metric.MeterProvider) (*Hook, error) {
 	}
 	events, err := provider.Meter(MeterName).Int64Counter(EventsMetric,
 		metric.WithUnit("{event}"),
-		metric.WithDescription("pgidem outcomes by kind: executed, replayed, in_progress, waited, taken_over, lease_lost, store_error, invalid_key, fingerprint_mismatch, fail_open, swept (rows)"))
+		metric.WithDescription("pgidem outcomes by kind: executed, replayed, in_progress, waited, taken_over, lease_lost, store_error, invalid_key, fingerprint_mismatch, fail_open, swept (rows), inbox_recorded, inbox_duplicate"))
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("pgidemotel: NewHook: create counter: %w", err)
 	}
 	return &Hook{events: events}, nil
 }

@@ -61,6 +61,7 @@ const (
 	InFlightRaise
 )
 
+// String returns "wait", "raise" or "default".
 func (p InFlightPolicy) String() string {
 	switch p {
 	case InFlightWait:
@@ -102,9 +103,12 @@ type Config struct {
 	PollIntervalMin time.Duration
 	PollIntervalMax time.Duration
 
-	// FinishTimeout bounds the finishing write (complete, store failure, release), which
-	// runs on a context detached from the caller's so that a cancelled caller never leaves
-	// the record stuck in progress. Default [FinishTimeoutDefault] (10 s).
+	// FinishTimeout bounds the writes that run on a context detached from the caller's:
+	// the reserving insert and the takeover (so their outcome is always known; a caller
+	// cancelled while one is blocked returns when it ends, and a reservation made for it
+	// is released at once) and the finishing write — complete, store failure, release —
+	// with its retries (so a cancelled caller never leaves the record stuck in progress).
+	// Default [FinishTimeoutDefault] (10 s).
 	FinishTimeout time.Duration
 
 	// MaxKeyBytes and MaxNamespaceBytes limit the key and namespace length in bytes.

@@ -117,7 +117,9 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 //
 // Database errors before fn runs return a [*StoreError] (matching [ErrStoreUnavailable])
 // and fn is not run, unless [Config.FailOpen] is set. Cancelling ctx before fn runs
-// returns ctx.Err() and changes nothing. Safe for concurrent use.
+// returns ctx.Err() and leaves no reservation behind (one made while ctx ended is released
+// at once; a reserving statement already sent finishes first, within
+// [Config.FinishTimeout]). Safe for concurrent use.
 func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context) (T, error)) (Result[T], error) {
 	var res Result[T]
 	if c == nil || fn == nil {

@@ -237,6 +237,9 @@ func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace
 // call replays if it did commit. Safe for concurrent use.
 func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	var zero T
+	if c == nil || fn == nil {
+		return zero, errors.New("pgidem: DoInTx: the coordinator and fn must not be nil")
+	}
 	cl, err := c.newCall(namespace, key, ttl, opts)
 	if err != nil {
 		c.emit(ctx, EventInvalidKey, namespace, 1)
@@ -245,7 +248,7 @@ func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, t
 	if err := ctx.Err(); err != nil {
 		return zero, err
 	}
-	tx, err := c.pool.Begin(ctx)
+	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if err != nil {
 		return zero, c.logStoreError(ctx, cl, storeError("begin", err))
 	}

@@ -138,9 +138,10 @@ func (e *FingerprintMismatchError) Is(target error) bool { return target == ErrF
 // StoreError wraps a database error. It matches [ErrStoreUnavailable] and unwraps to the
 // driver's error, so a *pgconn.PgError can be inspected with [errors.As].
 type StoreError struct {
-	// Op is the protocol step that failed: "reserve", "takeover", "heartbeat",
-	// "complete", "release", "lookup", "sweep"; for DoTx and the inbox also "begin",
-	// "lock", "savepoint", "commit", "inbox".
+	// Op is the protocol step that failed: "reserve", "takeover", "complete", "release",
+	// "lookup", "sweep"; for DoTx and the inbox also "begin", "lock", "savepoint",
+	// "commit", "inbox". (A failed heartbeat is logged and reported as an event, not
+	// returned.)
 	Op string
 	// Err is the underlying error.
 	Err error

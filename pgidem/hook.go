@@ -9,7 +9,9 @@ type EventKind string
 // FingerprintMismatch or StoreError as its outcome (a cancelled caller reports none), plus
 // Waited, TakenOver, LeaseLost or FailOpen when those happened along the way (FailOpen
 // follows the StoreError that caused it; a failed heartbeat or finishing write reports a
-// StoreError after Executed). Sweep reports Swept.
+// StoreError after Executed). Sweep reports Swept; the inbox reports EventInboxRecorded or
+// EventInboxDuplicate. A DoTx that yields to a concurrent Do reservation after running fn
+// can report Executed and then the outcome of its retry.
 const (
 	// EventExecuted: fn ran under a fresh or taken-over reservation.
 	EventExecuted EventKind = "executed"
@@ -25,7 +27,8 @@ const (
 	EventLeaseLost EventKind = "lease_lost"
 	// EventStoreError: a database error was returned or logged.
 	EventStoreError EventKind = "store_error"
-	// EventInvalidKey: the namespace, key or TTL was rejected.
+	// EventInvalidKey: the call's input was rejected before anything ran: namespace,
+	// key, TTL, DoOpts, or an inbox consumer, message id or payload.
 	EventInvalidKey EventKind = "invalid_key"
 	// EventFingerprintMismatch: the key was reused with a different fingerprint.
 	EventFingerprintMismatch EventKind = "fingerprint_mismatch"
@@ -39,7 +42,8 @@ const (
 type Event struct {
 	// Kind is what happened.
 	Kind EventKind
-	// Namespace is the record's namespace ("" for sweeps).
+	// Namespace is the record's namespace; the consumer for inbox events
+	// ([EventInboxRecorded], [EventInboxDuplicate]); "" for sweeps.
 	Namespace string
 	// Count is 1, or the number of rows for [EventSwept].
 	Count int64

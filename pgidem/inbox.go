@@ -367,6 +367,9 @@ func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op str
 // (a mail) needs [Do] inside fn, keyed by the effect. Cancelling ctx cancels the current
 // statement and rolls back. Safe for concurrent use.
 func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID string, opts *InboxOpts, fn func(ctx context.Context, tx pgx.Tx) error) (handled bool, err error) {
+	if fn == nil {
+		return false, errors.New("pgidem: InboxHandle: fn must not be nil")
+	}
 	ic, err := c.newInboxCall(consumer, messageID, opts)
 	if err != nil {
 		c.emit(ctx, EventInvalidKey, consumer, 1)
@@ -375,7 +378,7 @@ func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID strin
 	if err := ctx.Err(); err != nil {
 		return false, err
 	}
-	tx, err := c.pool.Begin(ctx)
+	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if err != nil {
 		return false, c.inboxStoreError(ctx, ic, "begin", err)
 	}

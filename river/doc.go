@@ -52,8 +52,11 @@
 // pgidem's heartbeat renews the lease — also past JobTimeout, for a worker that ignores
 // cancellation — so the rescuer's parallel duplicate finds the key in progress. If the
 // heartbeat finds the lease lost, the worker's context is cancelled with cause
-// [pgidem.ErrLeaseLost], however long the worker has been running. By default it is snoozed (river.JobSnooze, which
-// uses no attempt) until the holder's lease would expire, and then replays; with
+// [pgidem.ErrLeaseLost], however long the worker has been running.
+//
+// A duplicate that finds the key in progress is, by default, snoozed (river.JobSnooze,
+// which uses no attempt) for the holder's remaining lease clamped to [Config.SnoozeMin]
+// and [Config.SnoozeMax] (5 s), and replays once the holder completed; with
 // [pgidem.InFlightWait] it waits, bounded, and replays.
 //
 // # Errors

@@ -43,8 +43,9 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 // Errors, with the transaction rolled back unless noted:
 //   - fn's error, unchanged: fn's writes are undone and River retries the job.
 //   - another transaction holds the key (after the wait of [pgidem.InFlightWait], or at
-//     once under [pgidem.InFlightRaise]): river.JobSnooze with the retry-after hint, which
-//     uses no attempt; the next delivery replays.
+//     once under [pgidem.InFlightRaise]): river.JobSnooze with the retry-after hint
+//     clamped to [SnoozeMinDefault] and [SnoozeMaxDefault], which uses no attempt; the next
+//     delivery replays.
 //   - a [pgidem.Permanent] error from fn: the failure is stored and committed (fn's writes
 //     are undone) and river.JobCancel wrapping it is returned, so River stops; later jobs
 //     with the key replay the failure and are cancelled too.
@@ -62,7 +63,7 @@ func WorkTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coo
 			"add kind %q to Config.ExcludeKinds or use another namespace", namespace, key, job.ID, job.Kind)
 	}
 
-	tx, err := c.Pool().Begin(ctx)
+	tx, err := c.Pool().BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if err != nil {
 		return res, fmt.Errorf("pgidemriver: WorkTx: begin: %w", err)
 	}
@@ -73,7 +74,8 @@ func WorkTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coo
 	switch {
 	case err == nil:
 	case errors.As(err, &inProgress):
-		return res, river.JobSnooze(inProgress.RetryAfter)
+		// Clamped like the middleware's snooze: never a busy loop, never a whole lease.
+		return res, river.JobSnooze(min(max(inProgress.RetryAfter, SnoozeMinDefault), SnoozeMaxDefault))
 	case errors.Is(err, pgidem.ErrPermanent):
 		var stored *pgidem.StoredFailureError
 		if !errors.As(err, &stored) {

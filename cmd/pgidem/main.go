@@ -12,7 +12,7 @@
 //	pgidem records list                     records, filtered by namespace, status, attempts, expiry
 //	pgidem records show NAMESPACE KEY       one record in full
 //	pgidem records forget NAMESPACE KEY     delete a record so its effect can run again
-//	pgidem sweep                            delete expired records (for cron, without River)
+//	pgidem sweep                            delete expired records and inbox rows (cron, without River)
 //	pgidem stats                            per-namespace counts, stuck and taken-over records, size
 //
 // # Connection

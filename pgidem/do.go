@@ -452,7 +452,7 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 	if encErr == nil {
 		finishErr = c.finish(ctx, cl, owner, "complete", c.sql.complete, StatusCompleted, result, nil, micros(cl.ttl))
 		var pgErr *pgconn.PgError
-		if errors.As(finishErr, &pgErr) && strings.HasPrefix(pgErr.Code, sqlstateClassDataException) {
+		if errors.As(finishErr, &pgErr) && isDataException(finishErr) {
 			// jsonb refused the value (an unpaired surrogate in a json.RawMessage, a number
 			// out of numeric's range): as unstorable as a NUL.
 			encErr = fmt.Errorf("the database rejected it: %s", pgErr.Message)
@@ -549,10 +549,13 @@ func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, o
 			}
 			return nil
 		}
-		var pgErr *pgconn.PgError
-		if attempt >= len(finishRetries) || ctx.Err() != nil ||
-			(errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, sqlstateClassDataException)) {
-			break // a value the server refuses is refused again
+		if isDataException(err) {
+			// A value the server refuses is refused again, and is the caller's to handle
+			// (run stores it as not storable): not a store failure to log.
+			return &StoreError{Op: op, Err: err}
+		}
+		if attempt >= len(finishRetries) || ctx.Err() != nil {
+			break
 		}
 		time.Sleep(finishRetries[attempt])
 	}

@@ -20,11 +20,6 @@ import (
 // 24.8 days. DoTx waits longer in successive waits of at most this long.
 const lockTimeoutMax = time.Duration(math.MaxInt32) * time.Millisecond
 
-// sqlStateLockNotAvailable is Postgres's SQLSTATE 55P03 (lock_not_available), raised when a
-// lock wait exceeds lock_timeout. It is pgerrcode.LockNotAvailable, defined here because
-// the package imports only the standard library and pgx.
-const sqlStateLockNotAvailable = "55P03"
-
 // Advisory lock statements of DoTx. The lock is transaction-scoped: Postgres releases it at
 // the caller's commit or rollback, after the commit has made the record visible.
 const (
@@ -39,14 +34,9 @@ type dotxStatements struct {
 	read, upsert string
 }
 
-// txRowColumns is rowColumns judged by statement_timestamp() instead of now(): inside the
-// caller's transaction now() is frozen at its start, so a lease or TTL that ran out since
-// then would still look alive, and a poll would never see it change.
-var txRowColumns = strings.ReplaceAll(rowColumns, "now()", "statement_timestamp()")
-
 func newDotxStatements(schema string) dotxStatements {
 	t := qualify(schema, "pgidem_record")
-	r := strings.NewReplacer("{t}", t, "{cols}", txRowColumns)
+	r := strings.NewReplacer("{t}", t, "{cols}", rowColumns)
 	return dotxStatements{
 		read: r.Replace(`SELECT {cols} FROM {t} WHERE namespace = $1 AND key = $2`),
 
@@ -431,7 +421,7 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 			return c.txRead(ctx, tx, cl)
 		}
 		var pgErr *pgconn.PgError
-		if !errors.As(err, &pgErr) || pgErr.Code != sqlStateLockNotAvailable {
+		if !errors.As(err, &pgErr) || pgErr.Code != sqlstateLockNotAvailable {
 			return r, false, c.logStoreError(ctx, cl, storeError("lock", err))
 		}
 		if wait == remaining { // the whole budget was waited for

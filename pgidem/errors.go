@@ -3,6 +3,7 @@ package pgidem
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -162,7 +163,17 @@ const (
 	// sqlstateClassDataException is the class of errors for values the server refuses
 	// (22P02 invalid text representation, 22P05 untranslatable character, …).
 	sqlstateClassDataException = "22"
+	// sqlstateLockNotAvailable (lock_not_available) is raised when lock_timeout expires
+	// while DoTx waits for a key's advisory lock.
+	sqlstateLockNotAvailable = "55P03"
 )
+
+// isDataException reports whether err carries a server error of class 22: a value the
+// server refuses (jsonb rejecting a string or number, say).
+func isDataException(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, sqlstateClassDataException)
+}
 
 // isConnectError reports whether err is a failure to open a connection (refused, timed
 // out, authentication): nothing was sent to the store.

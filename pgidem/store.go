@@ -86,14 +86,21 @@ type statements struct {
 
 // Columns every protocol statement returns, in scanRow's order. db_now is the database
 // clock at the statement, used for retry-after hints.
+//
+// The verdicts use statement_timestamp(), not now(): the two agree in a statement of its
+// own, but inside a caller's transaction (LookupTx, DoTx) now() is frozen at the
+// transaction's start, so a lease or TTL that ran out since would still look alive.
 const rowColumns = `status, owner, attempts, fingerprint, result, error, lease_expires_at,
-	expires_at, created_at, updated_at, completed_at, expires_at <= now() AS expired,
-	(status = 'in_progress' AND lease_expires_at <= now()) AS lease_expired, now() AS db_now`
+	expires_at, created_at, updated_at, completed_at,
+	expires_at <= statement_timestamp() AS expired,
+	(status = 'in_progress' AND lease_expires_at <= statement_timestamp()) AS lease_expired,
+	statement_timestamp() AS db_now`
 
 // probeColumns are the columns of the probe statement, in probeTargets' order.
 const probeColumns = `status, attempts, fingerprint, result, error, lease_expires_at, completed_at,
-	expires_at <= now() AS expired, (status = 'in_progress' AND lease_expires_at <= now()) AS lease_expired,
-	now() AS db_now`
+	expires_at <= statement_timestamp() AS expired,
+	(status = 'in_progress' AND lease_expires_at <= statement_timestamp()) AS lease_expired,
+	statement_timestamp() AS db_now`
 
 func newStatements(schema string) statements {
 	t := qualify(schema, "pgidem_record")

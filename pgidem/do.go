@@ -228,8 +228,7 @@ const maxSnapshotRetries = 10
 // takes over; reading an existing record never writes.
 func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error) {
 	var acq acquisition
-	var waitStart time.Time
-	backoff := c.config.PollIntervalMin
+	w := c.newWaiter(cl, time.Time{}, false)
 	snapshotRetries := 0
 	rounds := 0
 	for {
@@ -273,11 +272,8 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		}
 		acq.answered = true
 
-		if mismatch(cl.fingerprint, &r) {
-			c.config.Logger.WarnContext(ctx, "pgidem: fingerprint mismatch",
-				slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("status", string(r.status)))
-			c.emit(ctx, EventFingerprintMismatch, cl.namespace, 1)
-			return acq, &FingerprintMismatchError{Namespace: cl.namespace, Key: cl.key, Status: r.status}
+		if err := c.checkFingerprint(ctx, cl, &r); err != nil {
+			return acq, err
 		}
 
 		if r.available() {
@@ -304,31 +300,68 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		}
 
 		// In progress under a live lease.
-		retryAfter := max(r.leaseExpires.Time.Sub(r.dbNow), time.Millisecond)
-		inProgress := &InProgressError{Namespace: cl.namespace, Key: cl.key, RetryAfter: retryAfter,
-			Attempts: r.attempts, LeaseExpiresAt: r.leaseExpires.Time, Waited: acq.waited}
-		if cl.policy == InFlightRaise {
-			c.emit(ctx, EventInProgress, cl.namespace, 1)
-			return acq, inProgress
-		}
-		if !acq.waited {
-			acq.waited = true
-			waitStart = time.Now()
-			c.emit(ctx, EventWaited, cl.namespace, 1)
-		}
-		remaining := cl.waitTimeout - time.Since(waitStart)
-		if remaining <= 0 {
-			c.emit(ctx, EventInProgress, cl.namespace, 1)
-			return acq, inProgress
-		}
-		// Sleep for the jittered backoff, but wake when the lease would expire (a takeover
-		// may then be due) and when the wait budget ends.
-		sleep := min(jitter(backoff), retryAfter+time.Millisecond, remaining)
-		backoff = min(backoff*2, c.config.PollIntervalMax)
-		if err := sleepCtx(ctx, sleep); err != nil {
+		err = w.inProgress(ctx, &r)
+		acq.waited = w.waited
+		if err != nil {
 			return acq, err
 		}
 	}
+}
+
+// checkFingerprint returns a [*FingerprintMismatchError] (logged and reported) when r's
+// stored fingerprint contradicts the call's.
+func (c *Coordinator) checkFingerprint(ctx context.Context, cl *call, r *row) error {
+	if !mismatch(cl.fingerprint, r) {
+		return nil
+	}
+	c.config.Logger.WarnContext(ctx, "pgidem: fingerprint mismatch",
+		slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("status", string(r.status)))
+	c.emit(ctx, EventFingerprintMismatch, cl.namespace, 1)
+	return &FingerprintMismatchError{Namespace: cl.namespace, Key: cl.key, Status: r.status}
+}
+
+// waiter applies the in-flight policy to a record in progress under a live lease, for Do
+// and DoTx alike.
+type waiter struct {
+	c       *Coordinator
+	cl      *call
+	start   time.Time // when the wait budget started; zero: at the first wait
+	backoff time.Duration
+	waited  bool
+}
+
+func (c *Coordinator) newWaiter(cl *call, start time.Time, waited bool) *waiter {
+	return &waiter{c: c, cl: cl, start: start, backoff: c.config.PollIntervalMin, waited: waited}
+}
+
+// inProgress returns the error to give up with — an [*InProgressError] under
+// [InFlightRaise] or once the wait budget is spent, or ctx's error — or nil after sleeping
+// (jittered backoff, woken when the lease would expire or the budget ends), when the caller
+// should read the record again. It never writes.
+func (w *waiter) inProgress(ctx context.Context, r *row) error {
+	c, cl := w.c, w.cl
+	retryAfter := max(r.leaseExpires.Time.Sub(r.dbNow), time.Millisecond)
+	inProgress := &InProgressError{Namespace: cl.namespace, Key: cl.key, RetryAfter: retryAfter,
+		Attempts: r.attempts, LeaseExpiresAt: r.leaseExpires.Time, Waited: w.waited}
+	if cl.policy == InFlightRaise {
+		c.emit(ctx, EventInProgress, cl.namespace, 1)
+		return inProgress
+	}
+	if !w.waited {
+		w.waited, inProgress.Waited = true, true
+		c.emit(ctx, EventWaited, cl.namespace, 1)
+	}
+	if w.start.IsZero() {
+		w.start = time.Now()
+	}
+	remaining := cl.waitTimeout - time.Since(w.start)
+	if remaining <= 0 {
+		c.emit(ctx, EventInProgress, cl.namespace, 1)
+		return inProgress
+	}
+	sleep := min(jitter(w.backoff), retryAfter+time.Millisecond, remaining)
+	w.backoff = min(w.backoff*2, c.config.PollIntervalMax)
+	return sleepCtx(ctx, sleep)
 }
 
 // reserveWrite runs a reserving statement (the insert or the takeover) on a context

@@ -280,14 +280,13 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 	if err != nil {
 		return res, false, err
 	}
-	backoff := c.config.PollIntervalMin
+	w := c.newWaiter(cl, start, res.Waited) // the lock wait spends the same budget
 	races := 0
 	for {
-		if found && mismatch(cl.fingerprint, &r) {
-			c.config.Logger.WarnContext(ctx, "pgidem: fingerprint mismatch",
-				slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("status", string(r.status)))
-			c.emit(ctx, EventFingerprintMismatch, cl.namespace, 1)
-			return res, false, &FingerprintMismatchError{Namespace: cl.namespace, Key: cl.key, Status: r.status}
+		if found {
+			if err := c.checkFingerprint(ctx, cl, &r); err != nil {
+				return res, false, err
+			}
 		}
 
 		switch {
@@ -298,31 +297,10 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 
 		case found && !r.available():
 			// In progress under a live lease: a Do holder is running the effect.
-			retryAfter := max(r.leaseExpires.Time.Sub(r.dbNow), time.Millisecond)
-			inProgress := &InProgressError{Namespace: cl.namespace, Key: cl.key, RetryAfter: retryAfter,
-				Attempts: r.attempts, LeaseExpiresAt: r.leaseExpires.Time, Waited: res.Waited}
-			if cl.policy == InFlightRaise {
-				c.emit(ctx, EventInProgress, cl.namespace, 1)
-				return res, false, inProgress
-			}
-			if !res.Waited {
-				res.Waited = true
-				inProgress.Waited = true
-				c.emit(ctx, EventWaited, cl.namespace, 1)
-			}
-			remaining := cl.waitTimeout - time.Since(start)
-			if remaining <= 0 {
-				c.emit(ctx, EventInProgress, cl.namespace, 1)
-				return res, false, inProgress
-			}
-			sleep := min(jitter(backoff), retryAfter+time.Millisecond, remaining)
-			backoff = min(backoff*2, c.config.PollIntervalMax)
-			timer := time.NewTimer(sleep)
-			select {
-			case <-ctx.Done():
-				timer.Stop()
-				return res, false, ctx.Err()
-			case <-timer.C:
+			err := w.inProgress(ctx, &r)
+			res.Waited = w.waited
+			if err != nil {
+				return res, false, err
 			}
 
 		default:

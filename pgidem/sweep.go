@@ -64,12 +64,8 @@ func (c *Coordinator) sweepTable(ctx context.Context, sql string, batch int, opt
 	var total int64
 	for i := 0; opts.MaxBatches == 0 || i < opts.MaxBatches; i++ {
 		if i > 0 && opts.Pause > 0 {
-			timer := time.NewTimer(opts.Pause)
-			select {
-			case <-ctx.Done():
-				timer.Stop()
-				return total, ctx.Err()
-			case <-timer.C:
+			if err := sleepCtx(ctx, opts.Pause); err != nil {
+				return total, err
 			}
 		}
 		tag, err := c.pool.Exec(ctx, sql, batch)

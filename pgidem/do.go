@@ -418,10 +418,15 @@ func mismatch(fingerprint []byte, r *row) bool {
 }
 
 func (c *Coordinator) logStoreError(ctx context.Context, cl *call, err error) error {
+	return c.reportStoreError(ctx, cl.namespace, err, slog.String("namespace", cl.namespace), slog.String("key", cl.key))
+}
+
+// reportStoreError logs err at error with attrs and reports [EventStoreError] under
+// namespace when err is a store error; it returns err.
+func (c *Coordinator) reportStoreError(ctx context.Context, namespace string, err error, attrs ...slog.Attr) error {
 	if errors.Is(err, ErrStoreUnavailable) {
-		c.config.Logger.ErrorContext(ctx, "pgidem: store error",
-			slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("error", err.Error()))
-		c.emit(ctx, EventStoreError, cl.namespace, 1)
+		c.config.Logger.LogAttrs(ctx, slog.LevelError, "pgidem: store error", append(attrs, slog.String("error", err.Error()))...)
+		c.emit(ctx, EventStoreError, namespace, 1)
 	}
 	return err
 }

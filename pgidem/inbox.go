@@ -342,13 +342,8 @@ func (c *Coordinator) inboxRecord(ctx context.Context, db executor, ic *inboxCal
 }
 
 func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op string, err error) error {
-	err = storeError(op, err)
-	if errors.Is(err, ErrStoreUnavailable) {
-		c.config.Logger.ErrorContext(ctx, "pgidem: store error",
-			slog.String("consumer", ic.consumer), slog.String("message_id", ic.messageID), slog.String("error", err.Error()))
-		c.emit(ctx, EventStoreError, ic.consumer, 1)
-	}
-	return err
+	return c.reportStoreError(ctx, ic.consumer, storeError(op, err),
+		slog.String("consumer", ic.consumer), slog.String("message_id", ic.messageID))
 }
 
 // InboxHandle handles message messageID of consumer at most once: it begins a transaction

@@ -97,10 +97,12 @@ type Config struct {
 	// the caller's context bounds it too. Default [WaitTimeoutDefault] (1 minute).
 	WaitTimeout time.Duration
 
-	// PollIntervalMin and PollIntervalMax bound the jittered exponential backoff between
-	// reads while waiting. Defaults [PollIntervalMinDefault] (10 ms) and
-	// [PollIntervalMaxDefault] (1 s); the maximum may not exceed [PollIntervalMaxMax].
+	// PollIntervalMin is the first pause of the jittered exponential backoff between
+	// reads while waiting ([InFlightWait]). Default [PollIntervalMinDefault] (10 ms).
 	PollIntervalMin time.Duration
+	// PollIntervalMax is the longest pause of that backoff. Default
+	// [PollIntervalMaxDefault] (1 s); at least PollIntervalMin, at most
+	// [PollIntervalMaxMax].
 	PollIntervalMax time.Duration
 
 	// FinishTimeout bounds the writes that run on a context detached from the caller's:
@@ -111,10 +113,12 @@ type Config struct {
 	// Default [FinishTimeoutDefault] (10 s).
 	FinishTimeout time.Duration
 
-	// MaxKeyBytes and MaxNamespaceBytes limit the key and namespace length in bytes.
-	// Defaults [MaxKeyBytesDefault] (255) and [MaxNamespaceBytesDefault] (64); their sum
-	// may not exceed [MaxKeyBytesMax].
-	MaxKeyBytes       int
+	// MaxKeyBytes limits the idempotency key's length in bytes; longer keys return
+	// [ErrInvalidKey]. Default [MaxKeyBytesDefault] (255). With MaxNamespaceBytes at most
+	// [MaxKeyBytesMax], so a primary-key entry fits a btree page.
+	MaxKeyBytes int
+	// MaxNamespaceBytes limits the namespace's length in bytes; longer namespaces return
+	// [ErrInvalidKey]. Default [MaxNamespaceBytesDefault] (64).
 	MaxNamespaceBytes int
 
 	// FailOpen, when true, runs fn unprotected when no connection to the store can be made

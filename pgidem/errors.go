@@ -66,6 +66,7 @@ type InvalidKeyError struct {
 	Reason string
 }
 
+// Error returns the message, prefixed "pgidem: ".
 func (e *InvalidKeyError) Error() string {
 	return fmt.Sprintf("pgidem: invalid idempotency key: %s %s", e.Field, e.Reason)
 }
@@ -83,6 +84,7 @@ type InvalidTTLError struct {
 	Lease time.Duration
 }
 
+// Error returns the message, prefixed "pgidem: ".
 func (e *InvalidTTLError) Error() string {
 	if e.TTL < e.MinTTL {
 		return fmt.Sprintf("pgidem: invalid ttl: %s is below the minimum %s (Config.MinTTL)", e.TTL, e.MinTTL)
@@ -113,6 +115,7 @@ type InProgressError struct {
 	Waited bool
 }
 
+// Error returns the message, prefixed "pgidem: ".
 func (e *InProgressError) Error() string {
 	return fmt.Sprintf("pgidem: idempotency key in progress: %s/%s (retry after %s)", e.Namespace, e.Key, e.RetryAfter)
 }
@@ -129,6 +132,7 @@ type FingerprintMismatchError struct {
 	Status Status
 }
 
+// Error returns the message, prefixed "pgidem: ".
 func (e *FingerprintMismatchError) Error() string {
 	return fmt.Sprintf("pgidem: fingerprint mismatch: %s/%s was reserved for a different payload (record %s)", e.Namespace, e.Key, e.Status)
 }
@@ -148,6 +152,7 @@ type StoreError struct {
 	Err error
 }
 
+// Error returns the message, prefixed "pgidem: ".
 func (e *StoreError) Error() string {
 	var pgErr *pgconn.PgError
 	if errors.As(e.Err, &pgErr) && (pgErr.Code == sqlstateUndefinedTable || pgErr.Code == sqlstateInvalidSchemaName) {
@@ -204,6 +209,7 @@ func Permanent(err error) error {
 	return &PermanentError{Err: err}
 }
 
+// Error returns the original error's message.
 func (e *PermanentError) Error() string { return e.Err.Error() }
 
 // Unwrap returns the original error.
@@ -226,6 +232,7 @@ type StoredFailureError struct {
 	CompletedAt time.Time
 }
 
+// Error returns the original error's message.
 func (e *StoredFailureError) Error() string {
 	return e.Message
 }

@@ -121,12 +121,12 @@ type Config struct {
 	// [ErrInvalidKey]. Default [MaxNamespaceBytesDefault] (64).
 	MaxNamespaceBytes int
 
-	// FailOpen, when true, runs fn unprotected when no connection to the store can be made
-	// before fn would run (refused, timed out, authentication failed: pgconn.ConnectError),
-	// instead of returning [ErrStoreUnavailable]. It never applies once the store answered
-	// (a record was read, or a statement was sent and may have reserved the key), when the
-	// server answered with an error (a missing table, a wrong [Config.Schema]: those are
-	// returned), or to an invalid key. Each such run is logged at warn and reported as
+	// FailOpen, when true, runs fn unprotected when the store's server cannot be reached
+	// before fn would run (connection refused, timed out, network down), instead of
+	// returning [ErrStoreUnavailable]. It never applies once the store answered (a record
+	// was read, or a statement was sent and may have reserved the key), when the server
+	// answered with an error (authentication failed, a missing database or table, a wrong
+	// [Config.Schema]: those are returned), or to an invalid key. Each such run is logged at warn and reported as
 	// [EventFailOpen]. Default false: never run unprotected.
 	FailOpen bool
 

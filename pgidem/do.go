@@ -252,6 +252,11 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		rounds++
 		if errors.Is(err, pgx.ErrNoRows) {
 			r, err = c.reserveWrite(ctx, c.sql.reserve, cl)
+			if err == nil || !isConnectError(err) {
+				// The statement reached the store: it may have reserved the key or found
+				// (or waited for) another caller's record. Never fail open after this.
+				acq.answered = true
+			}
 			if errors.Is(err, pgx.ErrNoRows) {
 				// The conflicting row committed after the statement's snapshot (or was
 				// deleted in between): run it again, pausing if the key churns.
@@ -474,7 +479,7 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 		var permanent *PermanentError
 		var err error
 		if errors.As(fnErr, &permanent) {
-			failure, _ := json.Marshal(storedFailure{Message: permanent.Error()})
+			failure, _ := json.Marshal(storedFailure{Message: storableMessage(permanent.Error())})
 			err = c.finish(ctx, cl, owner, "complete", c.sql.complete, StatusFailed, nil, failure, micros(cl.ttl))
 		} else {
 			err = c.finish(ctx, cl, owner, "release", c.sql.release)
@@ -500,7 +505,7 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 		// The effect happened; never release (that would run it again). Store the failure.
 		c.config.Logger.ErrorContext(ctx, "pgidem: result not storable; record completed without it",
 			slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("error", encErr.Error()))
-		failure, _ := json.Marshal(storedFailure{Message: "pgidem: result not storable: " + encErr.Error(), NotStorable: true})
+		failure, _ := json.Marshal(storedFailure{Message: storableMessage("pgidem: result not storable: " + encErr.Error()), NotStorable: true})
 		finishErr = c.finish(ctx, cl, owner, "complete", c.sql.complete, StatusFailed, nil, failure, micros(cl.ttl))
 	}
 	if panicked != nil {
@@ -516,6 +521,13 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 		return fmt.Errorf("%w: %v", ErrResultNotStorable, encErr)
 	}
 	return nil
+}
+
+// storableMessage makes an error message storable in jsonb: NUL characters (which jsonb
+// refuses) are written as the two characters \0. Invalid UTF-8 becomes U+FFFD through
+// encoding/json, which jsonb accepts.
+func storableMessage(msg string) string {
+	return strings.ReplaceAll(msg, "\x00", `\0`)
 }
 
 // encodeResult runs encode, turning a panic into an error (and returning the panic value so

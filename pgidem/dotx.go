@@ -488,7 +488,7 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 			return out, true, c.logStoreError(ctx, cl, storeError("release", err))
 		}
 		released = true
-		failure, _ := json.Marshal(storedFailure{Message: permanent.Error()})
+		failure, _ := json.Marshal(storedFailure{Message: storableMessage(permanent.Error())})
 		_, won, err := c.txUpsert(ctx, tx, cl, StatusFailed, nil, failure)
 		if err != nil || !won {
 			return out, won, err

@@ -180,11 +180,14 @@ func isDataException(err error) bool {
 	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, sqlstateClassDataException)
 }
 
-// isConnectError reports whether err is a failure to open a connection (refused, timed
-// out, authentication): nothing was sent to the store.
+// isConnectError reports whether err is a failure to reach the server at all (refused,
+// timed out, network): nothing was sent to the store. A connection the server refused
+// with an error of its own (authentication failed, database missing) is a
+// misconfiguration, not an outage, and does not count.
 func isConnectError(err error) bool {
 	var connectErr *pgconn.ConnectError
-	return errors.As(err, &connectErr)
+	var pgErr *pgconn.PgError
+	return errors.As(err, &connectErr) && !errors.As(err, &pgErr)
 }
 
 // Unwrap returns [ErrStoreUnavailable] and the underlying error.

@@ -37,7 +37,7 @@ func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype
 			case <-ticker.C:
 			}
 			renewCtx, cancel := context.WithTimeout(ctx, interval)
-			tag, err := c.pool.Exec(renewCtx, c.sql.heartbeat, cl.namespace, cl.key, owner, micros(cl.lease))
+			tag, err := c.pool.Exec(renewCtx, c.sql.heartbeat, cl.namespace, cl.key, owner, micros(cl.lease), micros(cl.ttl))
 			cancel()
 			switch {
 			case err != nil:

@@ -151,11 +151,14 @@ WHERE namespace = $1 AND key = $2
 	AND ($4::bytea IS NULL OR fingerprint IS NULL OR fingerprint = $4 OR expires_at <= now())
 RETURNING true AS inserted, {cols}`),
 
-		// Renew the lease; keeps the record from expiring under a live holder.
+		// Renew the lease, and keep the record's expiry a whole TTL beyond it: a holder that
+		// dies is then always taken over (attempts + 1) before its record can count as
+		// expired, however long it ran, and the record only expires (for sweeps and new
+		// callers alike) a TTL after the last sign of life.
 		heartbeat: r.Replace(`
 UPDATE {t} SET
 	lease_expires_at = now() + $4 * interval '1 microsecond',
-	expires_at = greatest(expires_at, now() + $4 * interval '1 microsecond'),
+	expires_at = greatest(expires_at, now() + ($4 + $5) * interval '1 microsecond'),
 	updated_at = now()
 WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`),
 

@@ -84,8 +84,10 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // are separate columns, so no character is reserved; they must be non-empty valid UTF-8
 // without control characters, within [Config.MaxNamespaceBytes] and [Config.MaxKeyBytes],
 // or the call returns an [*InvalidKeyError] and fn is never run. ttl is how long the
-// record counts, measured from completion: at least [Config.MinTTL] and longer than the
-// lease, or [*InvalidTTLError]. Make it outlive the queue's retry and retention horizon.
+// record counts, measured from completion (while in progress, from the holder's last
+// heartbeat: its record expires a ttl after its lease, so a dead holder is always taken
+// over first): at least [Config.MinTTL] and longer than the lease, or [*InvalidTTLError].
+// Make it outlive the queue's retry and retention horizon.
 //
 // The first caller reserves the key and runs fn with a context that carries the key
 // ([KeyFromContext]) and is cancelled with cause [ErrLeaseLost] if the reservation is

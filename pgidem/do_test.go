@@ -210,17 +210,7 @@ func TestLiveHolderNeverTakenOver(t *testing.T) {
 func TestWaiterCancelledChangesNothing(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	started, release := make(chan struct{}), make(chan struct{})
-	holderDone := make(chan error, 1)
-	go func() {
-		_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (string, error) {
-			close(started)
-			<-release
-			return "holder", nil
-		})
-		holderDone <- err
-	}()
-	<-started
+	h := b.hold(b.coord, "mail", "k", nil, "holder")
 	before := b.lookup(t, "mail", "k")
 
 	ctx, cancel := context.WithCancel(b.ctx)
@@ -250,8 +240,8 @@ func TestWaiterCancelledChangesNothing(t *testing.T) {
 	require.Equal(t, before.Attempts, after.Attempts)
 	require.Equal(t, before.CreatedAt, after.CreatedAt)
 
-	close(release)
-	require.NoError(t, <-holderDone)
+	h.unblock()
+	require.NoError(t, <-h.done)
 	rec := b.lookup(t, "mail", "k")
 	require.JSONEq(t, `"holder"`, string(rec.Result))
 }
@@ -443,23 +433,13 @@ func TestFingerprint(t *testing.T) {
 	})
 
 	t.Run("InProgress", func(t *testing.T) {
-		started, release := make(chan struct{}), make(chan struct{})
-		done := make(chan error, 1)
-		go func() {
-			_, err := pgidem.Do(b.ctx, b.coord, "fp", "running", testTTL, fpA, func(context.Context) (string, error) {
-				close(started)
-				<-release
-				return "v", nil
-			})
-			done <- err
-		}()
-		<-started
+		h := b.hold(b.coord, "fp", "running", fpA, "v")
 		_, err := pgidem.Do(b.ctx, b.coord, "fp", "running", testTTL, fpB, mustNotRun)
 		require.ErrorIs(t, err, pgidem.ErrFingerprintMismatch)
 		_, err = pgidem.Do(b.ctx, b.coord, "fp", "running", testTTL, fpA, mustNotRun)
 		require.ErrorIs(t, err, pgidem.ErrInProgress)
-		close(release)
-		require.NoError(t, <-done)
+		h.unblock()
+		require.NoError(t, <-h.done)
 	})
 
 	t.Run("Takeover", func(t *testing.T) {

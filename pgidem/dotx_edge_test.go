@@ -75,20 +75,12 @@ func TestDoInTxOrdinaryErrorIsNotStored(t *testing.T) {
 func TestDoTxPermanentFailureYieldsToDoReservation(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	started, release := make(chan struct{}), make(chan struct{})
-	doDone := make(chan error, 1)
+	var h *holder // Do holding the key, started from inside fn
 	tx := b.begin(t)
 	_, err := pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, reviewRaise(),
 		func(ctx context.Context, tx pgx.Tx) (string, error) {
-			go func() { // Do sees no record yet: DoTx has not written it
-				_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (string, error) {
-					close(started)
-					<-release
-					return "from-do", nil
-				})
-				doDone <- err
-			}()
-			<-started
+			// Do sees no record yet: DoTx has not written it
+			h = b.hold(b.coord, "mail", "k", nil, "from-do")
 			return "", pgidem.Permanent(errors.New("declined"))
 		})
 	require.ErrorIs(t, err, pgidem.ErrInProgress, "DoTx yields to Do's live reservation")
@@ -96,8 +88,8 @@ func TestDoTxPermanentFailureYieldsToDoReservation(t *testing.T) {
 	requireUsable(t, b.ctx, tx)
 	require.NoError(t, tx.Commit(b.ctx))
 
-	close(release)
-	require.NoError(t, <-doDone)
+	h.unblock()
+	require.NoError(t, <-h.done)
 	rec := b.lookup(t, "mail", "k")
 	require.Equal(t, pgidem.StatusCompleted, rec.Status)
 	v, err := pgidem.DoInTx(b.ctx, b.coord, "mail", "k", testTTL, nil,
@@ -472,25 +464,15 @@ func testDoTxThenDo(t *testing.T, failOpen bool) {
 func TestDoTxRepeatableReadWaitForDoTimesOut(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	started, release := make(chan struct{}), make(chan struct{})
-	doDone := make(chan error, 1)
-	go func() {
-		_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (string, error) {
-			close(started)
-			<-release
-			return "from-do", nil
-		})
-		doDone <- err
-	}()
-	<-started
+	h := b.hold(b.coord, "mail", "k", nil, "from-do")
 
 	tx, err := b.db.Pool.BeginTx(b.ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
 	require.NoError(t, err)
 	defer tx.Rollback(b.ctx)    //nolint:errcheck // test cleanup
 	requireUsable(t, b.ctx, tx) // takes the snapshot: Do's row in progress
 
-	close(release)
-	require.NoError(t, <-doDone)
+	h.unblock()
+	require.NoError(t, <-h.done)
 	require.Equal(t, pgidem.StatusCompleted, b.lookup(t, "mail", "k").Status)
 
 	var ran atomic.Bool

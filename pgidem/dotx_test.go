@@ -490,17 +490,7 @@ func TestDoTxMeetsDo(t *testing.T) {
 				}
 			}
 		})})
-		started, release := make(chan struct{}), make(chan struct{})
-		doDone := make(chan error, 1)
-		go func() {
-			_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (string, error) {
-				close(started)
-				<-release
-				return "from-do", nil
-			})
-			doDone <- err
-		}()
-		<-started
+		h := b.hold(b.coord, "mail", "k", nil, "from-do")
 
 		// Raise: ErrInProgress at once, with the Do holder's lease as retry-after.
 		_, err := pgidem.DoInTx(b.ctx, b.coord, "mail", "k", testTTL, &pgidem.DoOpts{InFlight: pgidem.InFlightRaise},
@@ -529,8 +519,8 @@ func TestDoTxMeetsDo(t *testing.T) {
 			waiter <- outcome{res, err}
 		}()
 		<-waited
-		close(release)
-		require.NoError(t, <-doDone)
+		h.unblock()
+		require.NoError(t, <-h.done)
 		out := <-waiter
 		require.NoError(t, out.err)
 		require.True(t, out.res.Replayed)
@@ -562,22 +552,14 @@ VALUES ('mail', 'k', 'in_progress', gen_random_uuid(), 1, now() - interval '1 se
 		t.Parallel()
 		b := setup(t, nil)
 		b.createLedger(t)
-		started, release := make(chan struct{}), make(chan struct{})
-		doDone := make(chan error, 1)
+		var h *holder // Do holding the key, started from inside fn
 		tx := b.begin(t)
 		_, err := pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, &pgidem.DoOpts{InFlight: pgidem.InFlightRaise},
 			func(ctx context.Context, tx pgx.Tx) (string, error) {
 				_, err := tx.Exec(ctx, `INSERT INTO ledger (ref) VALUES ('dotx')`)
 				require.NoError(t, err)
-				go func() { // Do sees no record yet: DoTx has not written it
-					_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (string, error) {
-						close(started)
-						<-release
-						return "from-do", nil
-					})
-					doDone <- err
-				}()
-				<-started
+				// Do sees no record yet: DoTx has not written it
+				h = b.hold(b.coord, "mail", "k", nil, "from-do")
 				return "from-dotx", nil
 			})
 		require.ErrorIs(t, err, pgidem.ErrInProgress, "DoTx yields to Do's live reservation")
@@ -587,8 +569,8 @@ VALUES ('mail', 'k', 'in_progress', gen_random_uuid(), 1, now() - interval '1 se
 		require.Zero(t, inTx, "fn's writes were rolled back to the savepoint")
 		require.NoError(t, tx.Rollback(b.ctx))
 
-		close(release)
-		require.NoError(t, <-doDone)
+		h.unblock()
+		require.NoError(t, <-h.done)
 		v, err := pgidem.DoInTx(b.ctx, b.coord, "mail", "k", testTTL, nil,
 			func(ctx context.Context, tx pgx.Tx) (string, error) { return "from-dotx", nil })
 		require.NoError(t, err)

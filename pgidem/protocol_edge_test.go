@@ -429,17 +429,7 @@ func TestFailOpenNeverBesideHolder(t *testing.T) {
 	})
 	require.NoError(t, err)
 
-	started, release := make(chan struct{}), make(chan struct{})
-	holderDone := make(chan error, 1)
-	go func() {
-		_, err := pgidem.Do(b.ctx, b.coord, "pay", "order-9", testTTL, nil, func(context.Context) (string, error) {
-			close(started)
-			<-release
-			return "charged-by-holder", nil
-		})
-		holderDone <- err
-	}()
-	<-started
+	h := b.hold(b.coord, "pay", "order-9", nil, "charged-by-holder")
 
 	var waiterRan atomic.Bool
 	waiterDone := make(chan pgidem.Result[string], 1)
@@ -454,8 +444,8 @@ func TestFailOpenNeverBesideHolder(t *testing.T) {
 	down.Store(true)
 	waiterPool.Reset() // the waiter's store becomes unreachable mid-wait
 	res := <-waiterDone
-	close(release)
-	require.NoError(t, <-holderDone)
+	h.unblock()
+	require.NoError(t, <-h.done)
 	require.False(t, waiterRan.Load(), "FailOpen ran the effect beside a live holder (FailedOpen=%v)", res.FailedOpen)
 }
 

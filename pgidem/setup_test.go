@@ -59,3 +59,31 @@ func (b *testBundle) count(t *testing.T) int {
 	require.NoError(t, b.db.Pool.QueryRow(b.ctx, "SELECT count(*) FROM pgidem_record").Scan(&n))
 	return n
 }
+
+// holder is a Do call on a key whose fn blocks until released: the key stays in progress
+// under a live lease meanwhile.
+type holder struct {
+	release chan struct{}
+	// done receives Do's error once fn returned.
+	done chan error
+}
+
+// hold starts Do(namespace, key) on coord with opts, whose fn returns value once
+// unblock is called, and returns when fn has started.
+func (b *testBundle) hold(coord *pgidem.Coordinator, namespace, key string, opts *pgidem.DoOpts, value string) *holder {
+	h := &holder{release: make(chan struct{}), done: make(chan error, 1)}
+	started := make(chan struct{})
+	go func() {
+		_, err := pgidem.Do(b.ctx, coord, namespace, key, testTTL, opts, func(context.Context) (string, error) {
+			close(started)
+			<-h.release
+			return value, nil
+		})
+		h.done <- err
+	}()
+	<-started
+	return h
+}
+
+// unblock lets the holder's fn return.
+func (h *holder) unblock() { close(h.release) }

@@ -110,12 +110,10 @@ func TestInboxExpiredRowSweptMidStatement(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, nil)
-			_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_inbox (consumer, message_id, received_at, expires_at)
-				VALUES ('billing', 'm-1', now() - interval '8 days', now() - interval '1 day')`)
-			require.NoError(t, err)
+			b.insertExpiredInbox(t, "billing", "m-1")
 
 			sweep := b.begin(t)
-			_, err = sweep.Exec(b.ctx, `DELETE FROM pgidem_inbox WHERE expires_at <= now()`)
+			_, err := sweep.Exec(b.ctx, `DELETE FROM pgidem_inbox WHERE expires_at <= now()`)
 			require.NoError(t, err)
 
 			type outcome struct {
@@ -380,9 +378,7 @@ func TestInboxExpiredRowConcurrentTakeover(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, nil)
-			_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_inbox (consumer, message_id, received_at, expires_at)
-				VALUES ('billing', 'm', now() - interval '8 days', now() - interval '1 day')`)
-			require.NoError(t, err)
+			b.insertExpiredInbox(t, "billing", "m")
 
 			first := b.begin(t)
 			isNew, err := b.coord.InboxRecordTx(b.ctx, first, "billing", "m", nil)

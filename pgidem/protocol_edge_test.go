@@ -59,9 +59,7 @@ func TestTakeoverRecheckUnderReadCommitted(t *testing.T) {
 	b := setup(t, nil)
 	reviewInsert(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
 
-	tx, err := b.db.Pool.Begin(b.ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(b.ctx) }()
+	tx := b.begin(t)
 	// A competing taker, not yet committed.
 	tag, err := tx.Exec(b.ctx, `UPDATE pgidem_record SET owner = gen_random_uuid(), attempts = attempts + 1,
 		lease_expires_at = now() + interval '1 hour' WHERE key = 'k' AND lease_expires_at <= now()`)
@@ -97,10 +95,8 @@ func TestReserveSnapshotRetry(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, nil)
-			tx, err := b.db.Pool.Begin(b.ctx)
-			require.NoError(t, err)
-			defer func() { _ = tx.Rollback(b.ctx) }()
-			_, err = tx.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, lease_expires_at, expires_at)
+			tx := b.begin(t)
+			_, err := tx.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, lease_expires_at, expires_at)
 				VALUES ('mail', 'k', 'in_progress', gen_random_uuid(), now() + interval '1 hour', now() + interval '2 hours')`)
 			require.NoError(t, err)
 
@@ -142,9 +138,7 @@ func TestSweepVsTakeover(t *testing.T) {
 		b := setup(t, nil)
 		reviewInsert(t, b, "k", "completed", "NULL", "now() - interval '1 second'", nil)
 		// A sweep that has locked the row and not yet committed its DELETE.
-		tx, err := b.db.Pool.Begin(b.ctx)
-		require.NoError(t, err)
-		defer func() { _ = tx.Rollback(b.ctx) }()
+		tx := b.begin(t)
 		tag, err := tx.Exec(b.ctx, `DELETE FROM pgidem_record WHERE expires_at <= now()`)
 		require.NoError(t, err)
 		require.EqualValues(t, 1, tag.RowsAffected())
@@ -171,10 +165,8 @@ func TestSweepVsTakeover(t *testing.T) {
 		b := setup(t, nil)
 		reviewInsert(t, b, "k", "completed", "NULL", "now() - interval '1 second'", nil)
 		// A takeover that has updated the row and not yet committed.
-		tx, err := b.db.Pool.Begin(b.ctx)
-		require.NoError(t, err)
-		defer func() { _ = tx.Rollback(b.ctx) }()
-		_, err = tx.Exec(b.ctx, `UPDATE pgidem_record SET status = 'in_progress', result = NULL,
+		tx := b.begin(t)
+		_, err := tx.Exec(b.ctx, `UPDATE pgidem_record SET status = 'in_progress', result = NULL,
 			lease_expires_at = now() + interval '1 minute', expires_at = now() + interval '1 hour'`)
 		require.NoError(t, err)
 

@@ -87,3 +87,12 @@ func (b *testBundle) hold(coord *pgidem.Coordinator, namespace, key string, opts
 
 // unblock lets the holder's fn return.
 func (h *holder) unblock() { close(h.release) }
+
+// insertExpiredInbox stores an inbox row for (consumer, messageID) whose retention ended a
+// day ago.
+func (b *testBundle) insertExpiredInbox(t *testing.T, consumer, messageID string) {
+	t.Helper()
+	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_inbox (consumer, message_id, received_at, expires_at)
+		VALUES ($1, $2, now() - interval '8 days', now() - interval '1 day')`, consumer, messageID)
+	require.NoError(t, err)
+}

@@ -378,12 +378,25 @@ func (w *waiter) inProgress(ctx context.Context, r *row) error {
 // behind another transaction's uncommitted record for the key (an open DoTx); a caller
 // cancelled meanwhile returns when it finishes, at most FinishTimeout later.
 //
-// Each call makes a fresh owner token; a row the statement reserved carries it.
+// Each call makes a fresh owner token; a row the statement reserved carries it. Reserving
+// inserts of concurrent calls share a statement (batch.go).
 func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (row, error) {
+	owner := newOwner()
+	if sql == c.sql.reserve {
+		r, err := c.reserves.do(ctx, reserveReq{cl: cl, owner: owner})
+		if err != errBatchFallback {
+			return r, err
+		}
+	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
+	return c.reserveOne(ctx, sql, cl, owner)
+}
+
+// reserveOne runs a single-key reserving statement with owner as the token.
+func (c *Coordinator) reserveOne(ctx context.Context, sql string, cl *call, owner pgtype.UUID) (row, error) {
 	var r row
-	err := c.pool.QueryRow(ctx, sql, cl.namespace, cl.key, newOwner(), cl.fingerprint,
+	err := c.pool.QueryRow(ctx, sql, cl.namespace, cl.key, owner, cl.fingerprint,
 		micros(cl.lease), micros(cl.ttl)).Scan(r.scanTargets(true)...)
 	return r, err
 }
@@ -482,7 +495,7 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 		var err error
 		if errors.As(fnErr, &permanent) {
 			failure, _ := json.Marshal(storedFailure{Message: storableMessage(permanent.Error())})
-			err = c.finish(ctx, cl, owner, "complete", c.sql.complete, StatusFailed, nil, failure, micros(cl.ttl))
+			err = c.complete(ctx, cl, owner, StatusFailed, nil, failure)
 		} else {
 			err = c.finish(ctx, cl, owner, "release", c.sql.release)
 		}
@@ -495,7 +508,7 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 	result, panicked, encErr := encodeResult(encode)
 	var finishErr error
 	if encErr == nil {
-		finishErr = c.finish(ctx, cl, owner, "complete", c.sql.complete, StatusCompleted, result, nil, micros(cl.ttl))
+		finishErr = c.complete(ctx, cl, owner, StatusCompleted, result, nil)
 		var pgErr *pgconn.PgError
 		if errors.As(finishErr, &pgErr) && isDataException(finishErr) {
 			// jsonb refused the value (an unpaired surrogate in a json.RawMessage, a number
@@ -508,7 +521,7 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 		c.config.Logger.ErrorContext(ctx, "pgidem: result not storable; record completed without it",
 			slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("error", encErr.Error()))
 		failure, _ := json.Marshal(storedFailure{Message: storableMessage("pgidem: result not storable: " + encErr.Error()), NotStorable: true})
-		finishErr = c.finish(ctx, cl, owner, "complete", c.sql.complete, StatusFailed, nil, failure, micros(cl.ttl))
+		finishErr = c.complete(ctx, cl, owner, StatusFailed, nil, failure)
 	}
 	if panicked != nil {
 		panic(panicked) // a MarshalJSON panic is a bug in the caller's type; the record is stored
@@ -576,6 +589,17 @@ func (c *Coordinator) leaseLost(ctx context.Context, cl *call) {
 	c.config.Logger.ErrorContext(ctx, "pgidem: lease lost; the reservation was taken over and the effect may have run more than once",
 		slog.String("namespace", cl.namespace), slog.String("key", cl.key))
 	c.emit(ctx, EventLeaseLost, cl.namespace, 1)
+}
+
+// complete stores the outcome of cl's held reservation (status completed with result, or
+// failed with failure), sharing a statement with concurrent completions (batch.go). Its
+// errors are finish's.
+func (c *Coordinator) complete(ctx context.Context, cl *call, owner pgtype.UUID, status Status, result, failure []byte) error {
+	_, err := c.completes.do(ctx, completeReq{cl: cl, owner: owner, status: status, result: result, failure: failure})
+	if err == errBatchFallback {
+		err = c.finish(ctx, cl, owner, "complete", c.sql.complete, status, result, failure, micros(cl.ttl))
+	}
+	return err
 }
 
 // errFinishNoRow means the owner-conditional write matched no row: the lease was lost.

@@ -619,12 +619,7 @@ func TestBackendTerminatedBeforeFn(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	// A pool of one connection whose backend an admin (or a failover) has terminated.
-	cfg, err := pgxpool.ParseConfig(b.db.URL)
-	require.NoError(t, err)
-	cfg.MaxConns = 1
-	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.newPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
 	var pid int
 	require.NoError(t, pool.QueryRow(b.ctx, "SELECT pg_backend_pid()").Scan(&pid))
 	var terminated bool
@@ -633,7 +628,7 @@ func TestBackendTerminatedBeforeFn(t *testing.T) {
 
 	coord := b.newCoordOn(t, pool, nil)
 	ran := false
-	_, err = pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { ran = true; return 1, nil })
+	_, err := pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { ran = true; return 1, nil })
 	require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
 	require.False(t, ran, "fn must not run when the reservation could not be made")
 

@@ -24,26 +24,23 @@ func TestFailOpenAfterReserveFirstNoRow(t *testing.T) {
 	b := setup(t, nil)
 
 	var down atomic.Bool
-	cfg, err := pgxpool.ParseConfig(b.db.URL)
-	require.NoError(t, err)
-	cfg.MinConns = 0
-	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		if down.Load() {
-			return nil, errors.New("review3: network unreachable")
+	pool := b.newPool(t, func(cfg *pgxpool.Config) {
+		cfg.MinConns = 0
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if down.Load() {
+				return nil, errors.New("review3: network unreachable")
+			}
+			var d net.Dialer
+			return d.DialContext(ctx, network, addr)
 		}
-		var d net.Dialer
-		return d.DialContext(ctx, network, addr)
-	}
-	// A connection released while the store is "down" is dropped, so the next statement
-	// needs a new connection (as after a server restart or a network blip).
-	cfg.AfterRelease = func(*pgx.Conn) bool { return !down.Load() }
-	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+		// A connection released while the store is "down" is dropped, so the next
+		// statement needs a new connection (as after a server restart or a network blip).
+		cfg.AfterRelease = func(*pgx.Conn) bool { return !down.Load() }
+	})
 	coord := b.newCoordOn(t, pool, &pgidem.Config{FailOpen: true})
 
 	tx := b.begin(t)
-	_, err = pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
+	_, err := pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
 		func(context.Context, pgx.Tx) (string, error) { return "from-dotx", nil })
 	require.NoError(t, err)
 
@@ -117,12 +114,7 @@ func TestNotStorableMessageWithNUL(t *testing.T) {
 func TestFailOpenNotOnMissingDatabase(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	cfg, err := pgxpool.ParseConfig(b.db.URL)
-	require.NoError(t, err)
-	cfg.ConnConfig.Database = "pgidem_review3_no_such_db"
-	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.newPool(t, func(c *pgxpool.Config) { c.ConnConfig.Database = "pgidem_review3_no_such_db" })
 	coord := b.newCoordOn(t, pool, &pgidem.Config{FailOpen: true})
 	res, err := pgidem.DoResult(b.ctx, coord, "mail", "k", testTTL, nil, reviewFn1)
 	t.Logf("err=%v failedOpen=%v", err, res.FailedOpen)

@@ -397,18 +397,15 @@ func TestFailOpenNeverBesideHolder(t *testing.T) {
 	b := setup(t, nil)
 
 	var down atomic.Bool
-	cfg, err := pgxpool.ParseConfig(b.db.URL)
-	require.NoError(t, err)
-	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		if down.Load() {
-			return nil, errors.New("review: network unreachable")
+	waiterPool := b.newPool(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if down.Load() {
+				return nil, errors.New("review: network unreachable")
+			}
+			var d net.Dialer
+			return d.DialContext(ctx, network, addr)
 		}
-		var d net.Dialer
-		return d.DialContext(ctx, network, addr)
-	}
-	waiterPool, err := pgxpool.NewWithConfig(b.ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(waiterPool.Close)
+	})
 	waited := make(chan struct{})
 	var waitedOnce sync.Once
 	waiter, err := pgidem.NewCoordinator(waiterPool, &pgidem.Config{
@@ -466,12 +463,7 @@ func TestPollIntervalBounded(t *testing.T) {
 	// The largest accepted interval still waits rather than spins.
 	reviewInsert(t, b, "k", "in_progress", "now() + interval '1 hour'", "now() + interval '2 hours'", nil)
 	var counter reviewQueryCounter
-	cfg, err := pgxpool.ParseConfig(b.db.URL)
-	require.NoError(t, err)
-	cfg.ConnConfig.Tracer = &counter
-	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.newPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = &counter })
 	coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{
 		PollIntervalMin: pgidem.PollIntervalMaxMax,
 		PollIntervalMax: pgidem.PollIntervalMaxMax,

@@ -46,6 +46,21 @@ func (b *testBundle) newCoordOn(t *testing.T, pool *pgxpool.Pool, config *pgidem
 	return coord
 }
 
+// newPool returns another pool on the bundle's database, closed at cleanup, after
+// configure (which may be nil) adjusted its config.
+func (b *testBundle) newPool(t *testing.T, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(b.db.URL)
+	require.NoError(t, err)
+	if configure != nil {
+		configure(cfg)
+	}
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
 func (b *testBundle) lookup(t *testing.T, namespace, key string) *pgidem.Record {
 	t.Helper()
 	rec, err := b.coord.Lookup(b.ctx, namespace, key)

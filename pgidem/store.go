@@ -80,6 +80,10 @@ type storedFailure struct {
 type statements struct {
 	reserve, takeover, heartbeat, complete, release, lookup, probe, sweep string
 
+	// The forms of reserve and complete that batch.go's rounds send: for one key and for
+	// many (arrays), all under roundGuard.
+	reserveRound, completeRound, reserveMany, completeMany string
+
 	dotx  dotxStatements  // DoTx (dotx.go)
 	inbox inboxStatements // the inbox (inbox.go)
 }
@@ -96,6 +100,12 @@ const rowColumns = `status, owner, attempts, fingerprint, result, error, lease_e
 	(status = 'in_progress' AND lease_expires_at <= statement_timestamp()) AS lease_expired,
 	statement_timestamp() AS db_now`
 
+// roundGuard, joined into the statements of batch.go's rounds, bounds their lock waits by
+// a lock_timeout local to the statement's own transaction (set_config with is_local; an
+// autocommit statement is its own transaction, so the setting ends with it). A round that
+// would wait longer fails with lock_not_available and its calls run alone.
+const roundGuard = `(SELECT set_config('lock_timeout', '` + batchLockTimeout + `', true)) AS guard`
+
 // probeColumns are the columns of the probe statement, in probeTargets' order.
 const probeColumns = `status, attempts, fingerprint, result, error, lease_expires_at, completed_at,
 	expires_at <= statement_timestamp() AS expired,
@@ -104,29 +114,72 @@ const probeColumns = `status, attempts, fingerprint, result, error, lease_expire
 
 func newStatements(schema string) statements {
 	t := qualify(schema, "pgidem_record")
-	r := strings.NewReplacer("{t}", t, "{cols}", rowColumns)
-	return statements{
-		dotx:  newDotxStatements(schema),
-		inbox: newInboxStatements(schema),
-
-		// Insert a fresh reservation, or read the existing row in the same round trip.
-		// ON CONFLICT DO NOTHING takes no lock and assigns no transaction id when the row
-		// exists, so replays and in-progress checks stay pure reads. When the conflicting
-		// row committed after this statement's snapshot, neither branch returns a row and
-		// the caller runs it again.
-		reserve: r.Replace(`
+	r := strings.NewReplacer("{t}", t, "{cols}", rowColumns, "{guard}", roundGuard)
+	// reserve and complete come in two forms: as is, and (for batch.go's rounds) under
+	// roundGuard, which their single-row source or join evaluates before any row is
+	// written or locked.
+	plain := strings.NewReplacer("{from}", "")
+	guarded := strings.NewReplacer("{from}", "FROM "+roundGuard)
+	// Insert a fresh reservation, or read the existing row in the same round trip. ON
+	// CONFLICT DO NOTHING takes no lock and assigns no transaction id when the row exists,
+	// so replays and in-progress checks stay pure reads. When the conflicting row
+	// committed after this statement's snapshot, neither branch returns a row and the
+	// caller runs it again.
+	reserve := r.Replace(`
 WITH ins AS (
 	INSERT INTO {t} (namespace, key, status, owner, attempts, fingerprint,
 		lease_expires_at, expires_at)
-	VALUES ($1, $2, 'in_progress', $3, 1, $4,
-		now() + $5 * interval '1 microsecond', now() + $6 * interval '1 microsecond')
+	SELECT $1, $2, 'in_progress', $3::uuid, 1, $4::bytea,
+		now() + $5 * interval '1 microsecond', now() + $6 * interval '1 microsecond' {from}
 	ON CONFLICT (namespace, key) DO NOTHING
 	RETURNING true AS inserted, {cols}
 )
 SELECT * FROM ins
 UNION ALL
 SELECT false, {cols} FROM {t}
-WHERE namespace = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`),
+WHERE namespace = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`)
+	// Store the outcome; the TTL counts from completion.
+	complete := r.Replace(`
+UPDATE {t} SET
+	status = $4,
+	result = $5,
+	error = $6,
+	lease_expires_at = NULL,
+	completed_at = now(),
+	expires_at = now() + $7 * interval '1 microsecond',
+	updated_at = now() {from}
+WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`)
+	return statements{
+		dotx:  newDotxStatements(schema),
+		inbox: newInboxStatements(schema),
+
+		reserve: plain.Replace(reserve),
+
+		// reserve for many keys: $1..$6 are arrays, one element per call. Each input row
+		// comes back once, by ordinal: inserted (the owner token is the call's), or the
+		// existing row. A key given twice is inserted for the first and, since a statement
+		// does not see its own inserts, returns nothing for the second — like a row
+		// committed after the snapshot, which the caller reads again. Rows are inserted in
+		// key order, so concurrent batches take their locks in the same order.
+		reserveMany: r.Replace(`
+WITH input AS (
+	SELECT i.* FROM unnest($1::text[], $2::text[], $3::uuid[], $4::bytea[], $5::bigint[], $6::bigint[])
+		WITH ORDINALITY AS i(namespace, key, owner, fingerprint, lease_us, ttl_us, ord), {guard}
+), ins AS (
+	INSERT INTO {t} (namespace, key, status, owner, attempts, fingerprint,
+		lease_expires_at, expires_at)
+	SELECT namespace, key, 'in_progress', owner, 1, fingerprint,
+		now() + lease_us * interval '1 microsecond', now() + ttl_us * interval '1 microsecond'
+	FROM input ORDER BY namespace, key
+	ON CONFLICT (namespace, key) DO NOTHING
+	RETURNING true AS inserted, {cols}
+)
+SELECT i.ord, ins.* FROM input i JOIN ins ON ins.owner = i.owner
+UNION ALL
+SELECT i.ord, existing.* FROM input i
+CROSS JOIN LATERAL (SELECT false AS inserted, {cols} FROM {t}
+	WHERE namespace = i.namespace AND key = i.key) existing
+WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.owner = i.owner)`),
 
 		// Take over an expired record or an in-progress record whose lease expired. The
 		// WHERE clause is re-checked on the newest row version under READ COMMITTED, so of
@@ -162,17 +215,27 @@ UPDATE {t} SET
 	updated_at = now()
 WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`),
 
-		// Store the outcome; the TTL counts from completion.
-		complete: r.Replace(`
-UPDATE {t} SET
-	status = $4,
-	result = $5,
-	error = $6,
+		complete: plain.Replace(complete),
+
+		reserveRound:  guarded.Replace(reserve),
+		completeRound: guarded.Replace(complete),
+
+		// complete for many keys: $1..$7 are arrays, one element per call; results and
+		// failures arrive as JSON text. Returns the owner token of each row it completed.
+		completeMany: r.Replace(`
+UPDATE {t} AS r SET
+	status = u.status,
+	result = u.result::jsonb,
+	error = u.error::jsonb,
 	lease_expires_at = NULL,
 	completed_at = now(),
-	expires_at = now() + $7 * interval '1 microsecond',
+	expires_at = now() + u.ttl_us * interval '1 microsecond',
 	updated_at = now()
-WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`),
+FROM unnest($1::text[], $2::text[], $3::uuid[], $4::text[], $5::text[], $6::text[], $7::bigint[])
+	AS u(namespace, key, owner, status, result, error, ttl_us), {guard}
+WHERE r.namespace = u.namespace AND r.key = u.key AND r.owner = u.owner
+	AND r.status = 'in_progress'
+RETURNING r.owner`),
 
 		release: r.Replace(`
 DELETE FROM {t}

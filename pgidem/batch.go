@@ -1,0 +1,258 @@
+package pgidem
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// Group commit for the two writes every fresh key makes: the reserving insert and the
+// completion. Concurrent calls that reach one of them while the coordinator already has
+// such a statement in flight queue up, and the next statement carries all of them (up to
+// Config.MaxBatch) as arrays: one round trip and one commit for many keys. A call that
+// finds nothing in flight runs at once, alone, with the single-key statement, so batching
+// adds no latency when there is no concurrency and the sequential benchmarks are
+// unchanged.
+//
+// No goroutine is started: the first caller of a round runs the statement for everyone
+// queued ("leads") and then hands the lead to the first caller that queued meanwhile.
+//
+// Every round, even a round of one, runs under a short lock_timeout, so a key blocked
+// behind another transaction's uncommitted record (an open DoTx) or row lock cannot hold up
+// the rounds behind it: a round the server refuses for any reason (a lock timeout, a
+// deadlock, a value one member's jsonb rejects) rolled back whole, and each of its members
+// then runs its own single-key statement outside the batcher, exactly as without batching
+// (and may wait there, alone).
+
+// batchLockTimeout bounds how long a round waits for a lock before it gives up and its
+// members run one by one.
+const batchLockTimeout = "50ms"
+
+// errBatchFallback tells a member to run its own single-key statement: its batch rolled
+// back.
+var errBatchFallback = errors.New("pgidem: batch rolled back; run alone")
+
+// batchItem is one caller's request in a batcher and, once its round ran, the outcome.
+type batchItem[Req, Res any] struct {
+	req  Req
+	res  Res
+	err  error
+	wake chan bool // receives false when res and err are set, true when this caller leads the next round
+}
+
+// batcher groups concurrent requests for one statement. At most one round runs at a time:
+// run is called by the leading caller with the requests of one round (the leader's first)
+// and sets each item's res or err; an item left with errBatchFallback runs alone.
+type batcher[Req, Res any] struct {
+	max int // the most requests a round carries; 1: every call runs alone, at once
+	run func(ctx context.Context, items []*batchItem[Req, Res])
+
+	mu    sync.Mutex
+	busy  bool                   // a round is running
+	queue []*batchItem[Req, Res] // callers waiting for the next round; empty when !busy
+}
+
+// do queues req and returns its outcome once a round carried it. A caller that waits is not
+// interrupted by its context: rounds run on a detached context bounded by FinishTimeout,
+// like the single-key statements, so an outcome is always known and a wait is bounded by
+// two rounds.
+func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
+	it := &batchItem[Req, Res]{req: req, err: errBatchFallback, wake: make(chan bool, 1)}
+	if b.max <= 1 {
+		b.run(ctx, []*batchItem[Req, Res]{it})
+		return it.res, it.err
+	}
+	b.mu.Lock()
+	if b.busy {
+		b.queue = append(b.queue, it)
+		b.mu.Unlock()
+		if !<-it.wake {
+			return it.res, it.err
+		}
+	} else {
+		b.busy = true
+		b.mu.Unlock()
+	}
+
+	// Leading a round: it carries this call and up to max-1 of those queued.
+	b.mu.Lock()
+	n := min(len(b.queue), b.max-1)
+	items := append([]*batchItem[Req, Res]{it}, b.queue[:n]...)
+	b.queue = slices.Delete(b.queue, 0, n)
+	b.mu.Unlock()
+	defer func() { // deferred so that a panicking run still lets every waiter go
+		for _, o := range items[1:] {
+			o.wake <- false
+		}
+		b.mu.Lock()
+		if len(b.queue) > 0 {
+			next := b.queue[0]
+			b.queue = slices.Delete(b.queue, 0, 1)
+			next.wake <- true
+		} else {
+			b.busy = false
+		}
+		b.mu.Unlock()
+	}()
+	b.run(ctx, items)
+	return it.res, it.err
+}
+
+// reserveReq is one reserving insert: the call and the owner token it reserves with.
+type reserveReq struct {
+	cl    *call
+	owner pgtype.UUID
+}
+
+// completeReq is one completing write (a result or a stored failure).
+type completeReq struct {
+	cl              *call
+	owner           pgtype.UUID
+	status          Status
+	result, failure []byte
+}
+
+// runReserves runs one round of reserving inserts: the single-key statement for one, the
+// array statement for more. An item that comes back without a row gets pgx.ErrNoRows, as
+// the single-key statement would (its key was also in the batch, or committed after the
+// statement's snapshot): acquire reads again.
+func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserveReq, row]) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
+	defer cancel()
+	var err error
+	if len(items) == 1 {
+		it := items[0]
+		cl := it.req.cl
+		err = c.inRound(ctx, c.sql.reserveRound, []any{cl.namespace, cl.key, it.req.owner, cl.fingerprint,
+			micros(cl.lease), micros(cl.ttl)}, func(rows pgx.Rows) error {
+			it.err = pgx.ErrNoRows
+			if rows.Next() {
+				var r row
+				if err := rows.Scan(r.scanTargets(true)...); err != nil {
+					return err
+				}
+				it.res, it.err = r, nil
+			}
+			return rows.Err()
+		})
+	} else {
+		n := len(items)
+		namespaces, keys := make([]string, n), make([]string, n)
+		owners, fingerprints := make([]pgtype.UUID, n), make([][]byte, n)
+		leases, ttls := make([]int64, n), make([]int64, n)
+		for i, it := range items {
+			cl := it.req.cl
+			namespaces[i], keys[i], owners[i], fingerprints[i] = cl.namespace, cl.key, it.req.owner, cl.fingerprint
+			leases[i], ttls[i] = micros(cl.lease), micros(cl.ttl)
+			it.err = pgx.ErrNoRows
+		}
+		err = c.inRound(ctx, c.sql.reserveMany, []any{namespaces, keys, owners, fingerprints, leases, ttls}, func(rows pgx.Rows) error {
+			var ord int64
+			var r row
+			targets := append([]any{&ord}, r.scanTargets(true)...)
+			for rows.Next() {
+				if err := rows.Scan(targets...); err != nil {
+					return err
+				}
+				if ord < 1 || ord > int64(n) {
+					return errors.New("pgidem: batch reserve returned an unknown ordinal")
+				}
+				it := items[ord-1]
+				it.res, it.err = r, nil
+			}
+			return rows.Err()
+		})
+	}
+	if err != nil {
+		// The server refused the round (it rolled back, so running alone is safe), or the
+		// connection failed: then the outcome is unknown, as for a single statement.
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) {
+			err = errBatchFallback
+		}
+		for _, it := range items {
+			it.res, it.err = row{}, err
+		}
+	}
+}
+
+// runCompletes runs one round of completing writes. A member whose reservation was no
+// longer its own gets errFinishNoRow; any failure of the round sends every member to its
+// own single-key write (which retries), since completing is safe to repeat.
+func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[completeReq, struct{}]) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
+	defer cancel()
+	var err error
+	if len(items) == 1 {
+		it, q := items[0], items[0].req
+		err = c.inRound(ctx, c.sql.completeRound, []any{q.cl.namespace, q.cl.key, q.owner, q.status, q.result,
+			q.failure, micros(q.cl.ttl)}, func(rows pgx.Rows) error {
+			rows.Close()
+			if rows.CommandTag().RowsAffected() == 0 {
+				it.err = errFinishNoRow
+			} else {
+				it.err = nil
+			}
+			return rows.Err()
+		})
+	} else {
+		n := len(items)
+		namespaces, keys, statuses := make([]string, n), make([]string, n), make([]string, n)
+		owners := make([]pgtype.UUID, n)
+		results, failures := make([]*string, n), make([]*string, n)
+		ttls := make([]int64, n)
+		byOwner := make(map[pgtype.UUID]*batchItem[completeReq, struct{}], n)
+		for i, it := range items {
+			q := it.req
+			namespaces[i], keys[i], owners[i], statuses[i] = q.cl.namespace, q.cl.key, q.owner, string(q.status)
+			results[i], failures[i], ttls[i] = textOrNull(q.result), textOrNull(q.failure), micros(q.cl.ttl)
+			byOwner[q.owner] = it
+			it.err = errFinishNoRow
+		}
+		err = c.inRound(ctx, c.sql.completeMany, []any{namespaces, keys, owners, statuses, results, failures, ttls}, func(rows pgx.Rows) error {
+			var owner pgtype.UUID
+			for rows.Next() {
+				if err := rows.Scan(&owner); err != nil {
+					return err
+				}
+				if it := byOwner[owner]; it != nil {
+					it.err = nil
+				}
+			}
+			return rows.Err()
+		})
+	}
+	if err != nil {
+		for _, it := range items {
+			it.err = errBatchFallback
+		}
+	}
+}
+
+func textOrNull(b []byte) *string {
+	if b == nil {
+		return nil
+	}
+	s := string(b)
+	return &s
+}
+
+// inRound runs one of the round statements (which carry roundGuard) and hands its rows to
+// scan.
+func (c *Coordinator) inRound(ctx context.Context, sql string, args []any, scan func(pgx.Rows) error) error {
+	rows, err := c.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	if err := scan(rows); err != nil {
+		return err
+	}
+	rows.Close()
+	return rows.Err()
+}

@@ -1,0 +1,335 @@
+package pgidem
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgidem/pgidem/internal/testdb"
+)
+
+// queued reports how many callers wait in b's queue.
+func (b *batcher[Req, Res]) queued() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.queue)
+}
+
+// gatedBatcher returns a batcher whose rounds record their requests and, for the first
+// round, wait until gate is closed. Each request's result is ten times the request.
+func gatedBatcher(max int, gate <-chan struct{}, started chan<- struct{}) (*batcher[int, int], func() [][]int) {
+	var mu sync.Mutex
+	var rounds [][]int
+	b := &batcher[int, int]{max: max}
+	b.run = func(_ context.Context, items []*batchItem[int, int]) {
+		mu.Lock()
+		first := len(rounds) == 0
+		var reqs []int
+		for _, it := range items {
+			reqs = append(reqs, it.req)
+		}
+		rounds = append(rounds, reqs)
+		mu.Unlock()
+		if first {
+			started <- struct{}{}
+			<-gate
+		}
+		for _, it := range items {
+			it.res, it.err = it.req*10, nil
+		}
+	}
+	return b, func() [][]int {
+		mu.Lock()
+		defer mu.Unlock()
+		return rounds
+	}
+}
+
+func TestBatcherQueuesBehindARunningRound(t *testing.T) {
+	gate, started := make(chan struct{}), make(chan struct{}, 1)
+	b, rounds := gatedBatcher(4, gate, started)
+	ctx := context.Background()
+
+	results := make([]int, 7)
+	var wg sync.WaitGroup
+	call := func(i int) {
+		defer wg.Done()
+		res, err := b.do(ctx, i)
+		require.NoError(t, err)
+		results[i] = res
+	}
+	wg.Add(1)
+	go call(0)
+	<-started // call 0 leads a round of its own and is held there
+	for i := 1; i < 7; i++ {
+		wg.Add(1)
+		go call(i)
+	}
+	require.Eventually(t, func() bool { return b.queued() == 6 }, 10*time.Second, time.Millisecond)
+	close(gate)
+	wg.Wait()
+
+	got := rounds()
+	require.Len(t, got, 3, "six queued calls with max 4: a round of 4, then one of 2")
+	require.Equal(t, []int{0}, got[0])
+	require.Len(t, got[1], 4)
+	require.Len(t, got[2], 2)
+	seen := map[int]bool{}
+	for _, r := range got {
+		for _, req := range r {
+			require.False(t, seen[req], "request %d ran in two rounds", req)
+			seen[req] = true
+		}
+	}
+	require.Len(t, seen, 7)
+	for i, res := range results {
+		require.Equal(t, i*10, res)
+	}
+	require.Zero(t, b.queued())
+	require.False(t, b.busy, "the last round handed nothing on and left the batcher idle")
+}
+
+func TestBatcherMaxOneRunsEveryCallAtOnce(t *testing.T) {
+	gate, started := make(chan struct{}), make(chan struct{}, 1)
+	b, rounds := gatedBatcher(1, gate, started)
+	ctx := context.Background()
+	done := make(chan int, 1)
+	go func() {
+		res, _ := b.do(ctx, 1)
+		done <- res
+	}()
+	<-started
+	// With batching off, a second call does not queue behind the held first one.
+	res, err := b.do(ctx, 2)
+	require.NoError(t, err)
+	require.Equal(t, 20, res)
+	close(gate)
+	require.Equal(t, 10, <-done)
+	require.Len(t, rounds(), 2)
+}
+
+func TestBatcherPanickingRoundReleasesWaiters(t *testing.T) {
+	gate, started := make(chan struct{}), make(chan struct{}, 1)
+	b := &batcher[int, int]{max: 8}
+	b.run = func(_ context.Context, items []*batchItem[int, int]) {
+		if items[0].req == 0 {
+			started <- struct{}{}
+			<-gate
+			return
+		}
+		panic("boom")
+	}
+	ctx := context.Background()
+	go func() { _, _ = b.do(ctx, 0) }()
+	<-started
+
+	errs := make(chan error, 3)
+	for i := 2; i <= 4; i++ {
+		go func() {
+			defer func() {
+				if recover() != nil {
+					errs <- errors.New("led the panicking round")
+				}
+			}()
+			_, err := b.do(ctx, i)
+			errs <- err
+		}()
+	}
+	require.Eventually(t, func() bool { return b.queued() == 3 }, 10*time.Second, time.Millisecond)
+	close(gate)
+	var fallbacks, led int
+	for range 3 {
+		if err := <-errs; errors.Is(err, errBatchFallback) {
+			fallbacks++
+		} else {
+			led++
+		}
+	}
+	require.Equal(t, 1, led, "the caller that led the round saw the panic")
+	require.Equal(t, 2, fallbacks, "its companions were sent to run alone")
+	require.Eventually(t, func() bool {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		return !b.busy
+	}, 10*time.Second, time.Millisecond, "the batcher is free again")
+}
+
+// batchFixture is a coordinator on a fresh database, for driving rounds directly.
+func batchFixture(t *testing.T) (*Coordinator, *testdb.DB) {
+	t.Helper()
+	db := testdb.New(t)
+	c, err := NewCoordinator(db.Pool, &Config{MinTTL: 2 * time.Second, Lease: time.Second})
+	require.NoError(t, err)
+	return c, db
+}
+
+func reserveItems(t *testing.T, c *Coordinator, keys ...string) []*batchItem[reserveReq, row] {
+	t.Helper()
+	var items []*batchItem[reserveReq, row]
+	for _, k := range keys {
+		cl, err := c.newCall("ns", k, time.Hour, nil)
+		require.NoError(t, err)
+		items = append(items, &batchItem[reserveReq, row]{req: reserveReq{cl: cl, owner: newOwner()}})
+	}
+	return items
+}
+
+func TestRoundReservesManyKeys(t *testing.T) {
+	c, db := batchFixture(t)
+	ctx := context.Background()
+	_, err := Do(ctx, c, "ns", "done", time.Hour, nil, func(context.Context) (string, error) { return "v", nil })
+	require.NoError(t, err)
+	_, err = Do(ctx, c, "ns", "old", time.Hour, nil, func(context.Context) (string, error) { return "v", nil })
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, "UPDATE pgidem_record SET expires_at = now() - interval '1 second' WHERE key = 'old'")
+	require.NoError(t, err)
+
+	items := reserveItems(t, c, "new-a", "done", "new-b", "new-a", "old")
+	items[2].req.cl.fingerprint = []byte("fp-b")
+	c.runReserves(ctx, items)
+
+	newA, done, newB, dupA, old := items[0], items[1], items[2], items[3], items[4]
+	require.NoError(t, newA.err)
+	require.True(t, newA.res.inserted)
+	require.Equal(t, newA.req.owner, newA.res.owner, "the row carries the caller's owner token")
+	require.Equal(t, StatusInProgress, newA.res.status)
+	require.Equal(t, 1, newA.res.attempts)
+	require.False(t, newA.res.dbNow.IsZero())
+
+	require.NoError(t, done.err)
+	require.False(t, done.res.inserted)
+	require.Equal(t, StatusCompleted, done.res.status)
+	require.JSONEq(t, `"v"`, string(done.res.result))
+
+	require.NoError(t, newB.err)
+	require.True(t, newB.res.inserted)
+	require.Equal(t, []byte("fp-b"), newB.res.fingerprint)
+
+	require.ErrorIs(t, dupA.err, pgx.ErrNoRows, "a key twice in one round: the second reads again")
+
+	require.NoError(t, old.err)
+	require.False(t, old.res.inserted)
+	require.True(t, old.res.expired, "an expired row is reported for takeover, not overwritten")
+
+	rec, err := c.Lookup(ctx, "ns", "new-a")
+	require.NoError(t, err)
+	require.Equal(t, StatusInProgress, rec.Status)
+	require.Nil(t, rec.Fingerprint)
+	require.WithinDuration(t, rec.CreatedAt.Add(time.Second), rec.LeaseExpiresAt, 100*time.Millisecond, "lease from the call")
+	require.WithinDuration(t, rec.CreatedAt.Add(time.Hour), rec.ExpiresAt, 100*time.Millisecond, "TTL from the call")
+}
+
+func TestRoundCompletesManyKeys(t *testing.T) {
+	c, _ := batchFixture(t)
+	ctx := context.Background()
+	items := reserveItems(t, c, "a", "b", "c")
+	c.runReserves(ctx, items)
+	for _, it := range items {
+		require.NoError(t, it.err)
+		require.True(t, it.res.inserted)
+	}
+
+	failure, err := json.Marshal(storedFailure{Message: "card declined"})
+	require.NoError(t, err)
+	completes := []*batchItem[completeReq, struct{}]{
+		{req: completeReq{cl: items[0].req.cl, owner: items[0].req.owner, status: StatusCompleted, result: []byte(`{"id":"em_1"}`)}},
+		{req: completeReq{cl: items[1].req.cl, owner: items[1].req.owner, status: StatusFailed, failure: failure}},
+		{req: completeReq{cl: items[2].req.cl, owner: newOwner(), status: StatusCompleted, result: []byte(`1`)}},
+	}
+	c.runCompletes(ctx, completes)
+	require.NoError(t, completes[0].err)
+	require.NoError(t, completes[1].err)
+	require.ErrorIs(t, completes[2].err, errFinishNoRow, "another owner's reservation is not completed")
+
+	a, err := c.Lookup(ctx, "ns", "a")
+	require.NoError(t, err)
+	require.Equal(t, StatusCompleted, a.Status)
+	require.JSONEq(t, `{"id":"em_1"}`, string(a.Result))
+	require.Nil(t, a.Error)
+	require.True(t, a.LeaseExpiresAt.IsZero())
+	require.WithinDuration(t, a.CompletedAt.Add(time.Hour), a.ExpiresAt, 100*time.Millisecond, "TTL from completion")
+
+	b, err := c.Lookup(ctx, "ns", "b")
+	require.NoError(t, err)
+	require.Equal(t, StatusFailed, b.Status)
+	require.JSONEq(t, string(failure), string(b.Error))
+	require.Nil(t, b.Result)
+
+	cRec, err := c.Lookup(ctx, "ns", "c")
+	require.NoError(t, err)
+	require.Equal(t, StatusInProgress, cRec.Status)
+}
+
+func TestRoundRefusedByServerRollsBackAndFallsBack(t *testing.T) {
+	c, _ := batchFixture(t)
+	ctx := context.Background()
+	items := reserveItems(t, c, "ok", "bad")
+	c.runReserves(ctx, items)
+	completes := []*batchItem[completeReq, struct{}]{
+		{req: completeReq{cl: items[0].req.cl, owner: items[0].req.owner, status: StatusCompleted, result: []byte(`"fine"`)}},
+		// An unpaired surrogate: valid to encoding/json, refused by jsonb.
+		{req: completeReq{cl: items[1].req.cl, owner: items[1].req.owner, status: StatusCompleted, result: []byte(`"\ud800"`)}},
+	}
+	c.runCompletes(ctx, completes)
+	require.ErrorIs(t, completes[0].err, errBatchFallback)
+	require.ErrorIs(t, completes[1].err, errBatchFallback)
+	rec, err := c.Lookup(ctx, "ns", "ok")
+	require.NoError(t, err)
+	require.Equal(t, StatusInProgress, rec.Status, "the refused round wrote nothing")
+}
+
+func TestRoundDoesNotWaitBehindAnOpenTransaction(t *testing.T) {
+	_, db := batchFixture(t)
+	ctx := context.Background()
+	// The coordinator gets a pool of one connection, so the last check reads the setting
+	// on the very connection the rounds used.
+	poolConfig, err := pgxpool.ParseConfig(db.URL)
+	require.NoError(t, err)
+	poolConfig.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(ctx, poolConfig)
+	require.NoError(t, err)
+	defer pool.Close()
+	c, err := NewCoordinator(pool, &Config{MinTTL: 2 * time.Second, Lease: time.Second})
+	require.NoError(t, err)
+
+	// Another transaction holds an uncommitted record for "held", as an open DoTx does.
+	tx, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, lease_expires_at, expires_at)
+		VALUES ('ns', 'held', 'in_progress', gen_random_uuid(), now() + interval '1 minute', now() + interval '1 hour')`)
+	require.NoError(t, err)
+
+	for _, keys := range [][]string{{"held"}, {"free", "held"}} {
+		items := reserveItems(t, c, keys...)
+		c.runReserves(ctx, items) // returns after the lock timeout, not when tx ends
+		for _, it := range items {
+			require.ErrorIs(t, it.err, errBatchFallback, "keys %v", keys)
+		}
+	}
+	_, err = c.Lookup(ctx, "ns", "free")
+	require.ErrorIs(t, err, ErrNotFound, "the refused round reserved nothing")
+
+	// A completion blocked behind a row lock falls back the same way.
+	items := reserveItems(t, c, "mine")
+	c.runReserves(ctx, items)
+	require.NoError(t, items[0].err)
+	_, err = tx.Exec(ctx, "SELECT 1 FROM pgidem_record WHERE key = 'mine' FOR UPDATE")
+	require.NoError(t, err)
+	completes := []*batchItem[completeReq, struct{}]{
+		{req: completeReq{cl: items[0].req.cl, owner: items[0].req.owner, status: StatusCompleted, result: []byte(`1`)}},
+	}
+	c.runCompletes(ctx, completes)
+	require.ErrorIs(t, completes[0].err, errBatchFallback)
+
+	var lockTimeout string
+	require.NoError(t, pool.QueryRow(ctx, "SHOW lock_timeout").Scan(&lockTimeout))
+	require.Equal(t, "0", lockTimeout, "the guard's setting ended with its statement")
+}

@@ -4,11 +4,14 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/testdb"
 	"github.com/pgidem/pgidem/pgidem"
@@ -54,6 +57,84 @@ func benchPrefix() string {
 	return hex.EncodeToString(b[:])
 }
 
+// benchBaselineFresh sends by hand the three statements of a fresh key through pool.
+func benchBaselineFresh(ctx context.Context, b testing.TB, pool *pgxpool.Pool, key string) {
+	owner := pgtype.UUID{Valid: true}
+	_, _ = rand.Read(owner.Bytes[:])
+	rows, err := pool.Query(ctx, benchReadSQL, "bench", key)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if rows.Next() {
+		b.Fatal("fresh key found")
+	}
+	rows.Close()
+	ttl := micros(testTTL)
+	rows, err = pool.Query(ctx, benchReserveSQL, "bench", key, owner, nil, micros(pgidem.LeaseDefault), ttl)
+	if err != nil {
+		b.Fatal(err)
+	}
+	rows.Close()
+	if _, err := pool.Exec(ctx, benchCompleteSQL, "bench", key, owner, "completed", []byte(`"em_1"`), nil, ttl); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// BenchmarkDoConcurrent runs fresh keys from 50 goroutines over a pool of 20 connections:
+// the hand-written statements (one of each per call), pgidem with batching off
+// (MaxBatch 1), and pgidem as configured by default (concurrent reserving inserts and
+// completions share statements). ns/op is wall time per call across all goroutines, so
+// calls/s = 1e9 / ns/op.
+//
+//	go test -run '^$' -bench DoConcurrent -count 6 ./pgidem/
+func BenchmarkDoConcurrent(b *testing.B) {
+	db := testdb.New(b)
+	ctx := context.Background()
+	poolConfig, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		b.Fatal(err)
+	}
+	poolConfig.MaxConns = 20
+	pool, err := pgxpool.NewWithConfig(ctx, poolConfig)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer pool.Close()
+	fn := func(context.Context) (string, error) { return "em_1", nil }
+	variants := []struct {
+		name string
+		call func(key string)
+	}{
+		{"baseline", func(key string) { benchBaselineFresh(ctx, b, pool, key) }},
+	}
+	for _, maxBatch := range []int{1, pgidem.MaxBatchDefault} {
+		coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{MaxBatch: maxBatch})
+		if err != nil {
+			b.Fatal(err)
+		}
+		variants = append(variants, struct {
+			name string
+			call func(key string)
+		}{fmt.Sprintf("MaxBatch=%d", maxBatch), func(key string) {
+			if _, err := pgidem.Do(ctx, coord, "bench", key, testTTL, nil, fn); err != nil {
+				b.Fatal(err)
+			}
+		}})
+	}
+	for _, v := range variants {
+		b.Run(v.name, func(b *testing.B) {
+			prefix := benchPrefix()
+			var n atomic.Int64
+			b.SetParallelism(25) // 25 per GOMAXPROCS: 50 goroutines on this 2-core machine
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					v.call(prefix + strconv.FormatInt(n.Add(1), 10))
+				}
+			})
+		})
+	}
+}
+
 // BenchmarkDo times pgidem and its raw-pgx baseline interleaved, one call of each per
 // iteration, so both see the same moment of the machine (fsync latency on a shared disk
 // drifts by tens of percent within a run). It reports each side's ns/op and the ratio.
@@ -65,34 +146,13 @@ func BenchmarkDo(b *testing.B) {
 		b.Fatal(err)
 	}
 	fn := func(context.Context) (string, error) { return "em_1", nil }
-	ttl := micros(testTTL)
-	lease := micros(pgidem.LeaseDefault)
 
 	doFresh := func(key string) {
 		if _, err := pgidem.Do(ctx, coord, "bench", key, testTTL, nil, fn); err != nil {
 			b.Fatal(err)
 		}
 	}
-	baselineFresh := func(key string) {
-		owner := pgtype.UUID{Valid: true}
-		_, _ = rand.Read(owner.Bytes[:])
-		rows, err := db.Pool.Query(ctx, benchReadSQL, "bench", key)
-		if err != nil {
-			b.Fatal(err)
-		}
-		if rows.Next() {
-			b.Fatal("fresh key found")
-		}
-		rows.Close()
-		rows, err = db.Pool.Query(ctx, benchReserveSQL, "bench", key, owner, nil, lease, ttl)
-		if err != nil {
-			b.Fatal(err)
-		}
-		rows.Close()
-		if _, err := db.Pool.Exec(ctx, benchCompleteSQL, "bench", key, owner, "completed", []byte(`"em_1"`), nil, ttl); err != nil {
-			b.Fatal(err)
-		}
-	}
+	baselineFresh := func(key string) { benchBaselineFresh(ctx, b, db.Pool, key) }
 	doReplay := func() {
 		if _, err := pgidem.Do(ctx, coord, "bench", "replayed", testTTL, nil, fn); err != nil {
 			b.Fatal(err)

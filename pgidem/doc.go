@@ -68,6 +68,16 @@
 // caught unique violation). A handler that writes rows and also sends mail uses both: the
 // inbox (or DoTx) for the rows, [Do] for the mail, keyed by the effect.
 //
+// # Concurrency
+//
+// A [Coordinator] is safe for concurrent use and holds no connection between statements.
+// Concurrent calls that reach the reserving insert or the completing update while the
+// coordinator already has one in flight share the next statement — one round trip and
+// one commit for up to [Config.MaxBatch] keys — and a call that finds none in flight runs
+// at once, alone; the protocol is the same either way. Under load from many goroutines
+// (a River queue, an HTTP server) this multiplies throughput; docs/performance.md has the
+// figures.
+//
 // # Observability
 //
 // [Config.Logger] (a *slog.Logger, quiet by default) records every unusual transition;

@@ -333,3 +333,71 @@ func TestRoundDoesNotWaitBehindAnOpenTransaction(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, "SHOW lock_timeout").Scan(&lockTimeout))
 	require.Equal(t, "0", lockTimeout, "the guard's setting ended with its statement")
 }
+
+// A completion repeated after its reply was lost (a retry, or a fallback after a round timed
+// out) finds its own completed row and succeeds, instead of reporting a lost lease.
+func TestCompletionIsSafeToRepeat(t *testing.T) {
+	c, _ := batchFixture(t)
+	ctx := context.Background()
+	items := reserveItems(t, c, "a", "b")
+	c.runReserves(ctx, items)
+	completes := func() []*batchItem[completeReq, struct{}] {
+		var out []*batchItem[completeReq, struct{}]
+		for _, it := range items {
+			out = append(out, &batchItem[completeReq, struct{}]{req: completeReq{cl: it.req.cl, owner: it.req.owner,
+				status: StatusCompleted, result: []byte(`"v"`)}})
+		}
+		return out
+	}
+	for round := range 2 { // a round of many, then the same writes again
+		cs := completes()
+		c.runCompletes(ctx, cs)
+		for _, it := range cs {
+			require.NoError(t, it.err, "round %d", round)
+		}
+	}
+	cs := completes()[:1]
+	c.runCompletes(ctx, cs) // a round of one
+	require.NoError(t, cs[0].err)
+	require.NoError(t, c.finish(ctx, items[0].req.cl, items[0].req.owner, "complete", c.sql.complete,
+		StatusCompleted, []byte(`"v"`), nil, micros(time.Hour)), "the single-key write too")
+	require.ErrorIs(t, c.finish(ctx, items[0].req.cl, newOwner(), "complete", c.sql.complete,
+		StatusCompleted, []byte(`"v"`), nil, micros(time.Hour)), errFinishNoRow, "another owner still matches nothing")
+}
+
+// The heartbeat renews the lease while the finishing write waits for its round, so a slow
+// round never lets another caller take the key over.
+func TestHeartbeatCoversAQueuedCompletion(t *testing.T) {
+	db := testdb.New(t)
+	c, err := NewCoordinator(db.Pool, &Config{MinTTL: 2 * time.Second, Lease: 300 * time.Millisecond})
+	require.NoError(t, err)
+	ctx := context.Background()
+	inRound, proceed := make(chan struct{}), make(chan struct{})
+	run := c.completes.run
+	c.completes.run = func(ctx context.Context, items []*batchItem[completeReq, struct{}]) {
+		close(inRound)
+		<-proceed // the round is slow: longer than a lease
+		run(ctx, items)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := Do(ctx, c, "ns", "k", time.Hour, nil, func(context.Context) (string, error) { return "v", nil })
+		done <- err
+	}()
+	<-inRound
+	time.Sleep(900 * time.Millisecond) // three leases
+	var leaseLive bool
+	require.NoError(t, db.Pool.QueryRow(ctx,
+		"SELECT lease_expires_at > now() FROM pgidem_record WHERE key = 'k'").Scan(&leaseLive))
+	require.True(t, leaseLive, "the lease was renewed while the completion waited")
+	_, err = Do(ctx, c, "ns", "k", time.Hour, &DoOpts{InFlight: InFlightRaise}, func(context.Context) (string, error) {
+		return "second", nil
+	})
+	require.ErrorIs(t, err, ErrInProgress, "no takeover while the holder finishes")
+	close(proceed)
+	require.NoError(t, <-done)
+	rec, err := c.Lookup(ctx, "ns", "k")
+	require.NoError(t, err)
+	require.Equal(t, StatusCompleted, rec.Status)
+	require.Equal(t, 1, rec.Attempts)
+}

@@ -113,7 +113,10 @@ type Config struct {
 	// cancelled while one is blocked returns when it ends, and a reservation made for it
 	// is released at once) and the finishing write — complete, store failure, release —
 	// with its retries (so a cancelled caller never leaves the record stuck in progress).
-	// Default [FinishTimeoutDefault] (10 s).
+	// A write that shares a round ([Config.MaxBatch]) first waits for the round in flight,
+	// and one whose round was refused then runs alone, each bounded by FinishTimeout: a
+	// cancelled caller can wait about two to three times FinishTimeout when the store is
+	// stuck. Default [FinishTimeoutDefault] (10 s).
 	FinishTimeout time.Duration
 
 	// MaxBatch is the most calls one reserving insert, or one completing write, carries.
@@ -123,7 +126,8 @@ type Config struct {
 	// longer on one key, or that the server refuses, rolls back and its calls run one by
 	// one). A call that finds none in flight runs alone at once, so batching adds no
 	// latency without concurrency. The protocol and its guarantees are the same either
-	// way. Default [MaxBatchDefault] (64); 1 turns batching off.
+	// way. Default [MaxBatchDefault] (64); 1 turns batching off: every call sends its own
+	// statements, without the lock_timeout.
 	MaxBatch int
 
 	// MaxKeyBytes limits the idempotency key's length in bytes; longer keys return

@@ -253,8 +253,9 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		}
 		rounds++
 		if errors.Is(err, pgx.ErrNoRows) {
-			r, err = c.reserveWrite(ctx, c.sql.reserve, cl)
-			if err == nil || !isConnectError(err) {
+			var refused bool
+			r, refused, err = c.reserveWrite(ctx, c.sql.reserve, cl)
+			if err == nil || refused || !isConnectError(err) {
 				// The statement reached the store: it may have reserved the key or found
 				// (or waited for) another caller's record. Never fail open after this.
 				acq.answered = true
@@ -284,7 +285,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		}
 
 		if r.available() {
-			t, err := c.reserveWrite(ctx, c.sql.takeover, cl)
+			t, _, err := c.reserveWrite(ctx, c.sql.takeover, cl)
 			if errors.Is(err, pgx.ErrNoRows) {
 				continue // another caller took it over first (or it was deleted): read again
 			}
@@ -380,17 +381,23 @@ func (w *waiter) inProgress(ctx context.Context, r *row) error {
 //
 // Each call makes a fresh owner token; a row the statement reserved carries it. Reserving
 // inserts of concurrent calls share a statement (batch.go).
-func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (row, error) {
+//
+// refused reports that a shared round reached the server and was refused before the call
+// ran its own statement: the store answered, so failing open is no longer allowed even if
+// that statement then cannot connect.
+func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r row, refused bool, err error) {
 	owner := newOwner()
-	if sql == c.sql.reserve {
+	if sql == c.sql.reserve && c.config.MaxBatch > 1 {
 		r, err := c.reserves.do(ctx, reserveReq{cl: cl, owner: owner})
 		if err != errBatchFallback {
-			return r, err
+			return r, false, err
 		}
+		refused = true
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
-	return c.reserveOne(ctx, sql, cl, owner)
+	r, err = c.reserveOne(ctx, sql, cl, owner)
+	return r, refused, err
 }
 
 // reserveOne runs a single-key reserving statement with owner as the token.
@@ -478,6 +485,7 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 	fnCtx, cancel := context.WithCancelCause(withKey(ctx, cl.namespace, cl.key))
 	defer cancel(nil)
 	hb := c.startHeartbeat(ctx, cl, owner, cancel)
+	defer hb.stop()
 
 	finished := false
 	defer func() {
@@ -488,7 +496,9 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 	}()
 	fnErr := fn(fnCtx)
 	finished = true
-	hb.stop()
+	// The heartbeat keeps renewing the lease until the finishing write is done: that write
+	// may queue behind other calls' rounds, and the lease must not run out meanwhile.
+	hb.finishing()
 
 	if fnErr != nil {
 		var permanent *PermanentError
@@ -595,7 +605,10 @@ func (c *Coordinator) leaseLost(ctx context.Context, cl *call) {
 // failed with failure), sharing a statement with concurrent completions (batch.go). Its
 // errors are finish's.
 func (c *Coordinator) complete(ctx context.Context, cl *call, owner pgtype.UUID, status Status, result, failure []byte) error {
-	_, err := c.completes.do(ctx, completeReq{cl: cl, owner: owner, status: status, result: result, failure: failure})
+	err := errBatchFallback
+	if c.config.MaxBatch > 1 {
+		_, err = c.completes.do(ctx, completeReq{cl: cl, owner: owner, status: status, result: result, failure: failure})
+	}
 	if err == errBatchFallback {
 		err = c.finish(ctx, cl, owner, "complete", c.sql.complete, status, result, failure, micros(cl.ttl))
 	}

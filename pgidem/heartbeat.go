@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgtype"
@@ -11,6 +12,7 @@ import (
 
 // heartbeat renews a held lease every lease/3 until stopped.
 type heartbeat struct {
+	finished atomic.Bool // fn returned: a renewal that finds no row means the finishing write won
 	stopOnce sync.Once
 	stopCh   chan struct{}
 	done     chan struct{}
@@ -52,6 +54,8 @@ func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype
 			case tag.RowsAffected() == 1:
 				lastRenewed = time.Now()
 				continue
+			case hb.finished.Load():
+				return // the record was completed or released: nothing left to renew
 			}
 			c.config.Logger.WarnContext(ctx, "pgidem: heartbeat could not renew the lease; cancelling fn",
 				slog.String("namespace", cl.namespace), slog.String("key", cl.key))
@@ -61,6 +65,10 @@ func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype
 	}()
 	return hb
 }
+
+// finishing records that fn returned and the finishing write is under way; the heartbeat
+// keeps renewing until stop, and ends quietly once the row is no longer in progress.
+func (hb *heartbeat) finishing() { hb.finished.Store(true) }
 
 // stop stops the heartbeat and waits for its goroutine to exit. Safe to call more than once.
 func (hb *heartbeat) stop() {

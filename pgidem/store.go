@@ -138,7 +138,10 @@ SELECT * FROM ins
 UNION ALL
 SELECT false, {cols} FROM {t}
 WHERE namespace = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`)
-	// Store the outcome; the TTL counts from completion.
+	// Store the outcome; the TTL counts from completion. The owner token makes it safe to
+	// repeat: a write whose reply was lost after it committed (a retry, a fallback after a
+	// round timed out) finds its own completed row and succeeds again instead of reporting
+	// a lost lease; a record taken over carries another owner and matches nothing.
 	complete := r.Replace(`
 UPDATE {t} SET
 	status = $4,
@@ -148,7 +151,8 @@ UPDATE {t} SET
 	completed_at = now(),
 	expires_at = now() + $7 * interval '1 microsecond',
 	updated_at = now() {from}
-WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`)
+WHERE namespace = $1 AND key = $2 AND owner = $3
+	AND (status = 'in_progress' OR status = $4)`)
 	return statements{
 		dotx:  newDotxStatements(schema),
 		inbox: newInboxStatements(schema),
@@ -234,7 +238,7 @@ UPDATE {t} AS r SET
 FROM unnest($1::text[], $2::text[], $3::uuid[], $4::text[], $5::text[], $6::text[], $7::bigint[])
 	AS u(namespace, key, owner, status, result, error, ttl_us), {guard}
 WHERE r.namespace = u.namespace AND r.key = u.key AND r.owner = u.owner
-	AND r.status = 'in_progress'
+	AND (r.status = 'in_progress' OR r.status = u.status)
 RETURNING r.owner`),
 
 		release: r.Replace(`

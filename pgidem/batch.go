@@ -212,7 +212,6 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 			namespaces[i], keys[i], owners[i], statuses[i] = q.cl.namespace, q.cl.key, q.owner, string(q.status)
 			results[i], failures[i], ttls[i] = textOrNull(q.result), textOrNull(q.failure), micros(q.cl.ttl)
 			byOwner[q.owner] = it
-			it.err = errFinishNoRow
 		}
 		err = c.inRound(ctx, c.sql.completeMany, []any{namespaces, keys, owners, statuses, results, failures, ttls}, func(rows pgx.Rows) error {
 			var owner pgtype.UUID
@@ -221,11 +220,17 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 					return err
 				}
 				if it := byOwner[owner]; it != nil {
+					delete(byOwner, owner)
 					it.err = nil
 				}
 			}
 			return rows.Err()
 		})
+		if err == nil {
+			for _, it := range byOwner { // rows the statement did not complete
+				it.err = errFinishNoRow
+			}
+		}
 	}
 	if err != nil {
 		for _, it := range items {

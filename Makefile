@@ -39,7 +39,7 @@ bench:
 
 ## bench-river: jobs per second through River with and without the middleware.
 bench-river:
-	$(GO) test -run '^$$' -bench RiverThroughput -benchtime 3000x -count 6 ./river/
+	$(GO) test -run '^$$' -bench RiverThroughput -benchtime 10000x -count 6 ./river/
 
 tidy:
 	$(GO) mod tidy

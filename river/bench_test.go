@@ -35,16 +35,21 @@ func (*noopWorker) Work(context.Context, *river.Job[NoopArgs]) error { return ni
 // BenchmarkRiverThroughput works b.N no-op jobs through a River client, without and with
 // the middleware (every job a fresh key: reserve + complete), and reports jobs/s. The jobs
 // are inserted before the timer starts; the timer covers the client working all of them.
-// Three queue set-ups, from River's defaults to a client fetching as fast as River allows:
+// Four queue set-ups, from River's defaults to a client fetching as fast as River allows
+// (docs/performance.md has a table of them):
+//
 //   - RiverDefaults: 100 workers, River's default fetch cooldown (100 ms) and poll
 //     interval (1 s). River fetches at most one full set of workers per cooldown, so both
 //     variants are capped near 1000 jobs/s.
 //   - Tuned: 50 workers fetching every 10 ms, a queue set up for throughput; each fetch
 //     takes the slots free at that moment, so the middleware's added latency per job
 //     shows as slots still busy.
+//   - Busy: 100 workers fetching every 10 ms, where the machine starts to run out of CPU.
 //   - Saturated: 200 workers, River's shortest fetch cooldown (1 ms) and a 5 ms poll: the
 //     machine's CPU is the limit, so the ratio is the cost of the middleware's work
 //     itself (two committed row writes per job beside River's own).
+//
+// The command docs/performance.md reports:
 //
 //	go test -run '^$' -bench RiverThroughput -benchtime 10000x -count 6 ./river/
 func BenchmarkRiverThroughput(b *testing.B) {

@@ -483,15 +483,27 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 		if !errors.As(fnErr, &permanent) {
 			return out, true, fnErr
 		}
-		// Undo fn's writes, then store the failure in tx for replay.
+		// Undo fn's writes, then store the failure for replay in a savepoint of its own:
+		// when a live record blocks the write, the upsert has still locked that row (ON
+		// CONFLICT DO UPDATE locks the conflicting row even when its WHERE is false), and
+		// only rolling the savepoint back releases the lock — otherwise tx would hold it
+		// while the caller waits for that record's holder, whose heartbeat it would block
+		// until the holder's lease ran out and tx took over a live holder.
 		if err := sp.Rollback(ctx); err != nil {
 			return out, true, c.logStoreError(ctx, cl, storeError("release", err))
 		}
-		released = true
 		failure, _ := json.Marshal(storedFailure{Message: storableMessage(permanent.Error())})
-		_, won, err := c.txUpsert(ctx, tx, cl, StatusFailed, nil, failure)
+		if sp, err = tx.Begin(ctx); err != nil {
+			released = true
+			return out, true, c.logStoreError(ctx, cl, storeError("savepoint", err))
+		}
+		_, won, err := c.txUpsert(ctx, sp, cl, StatusFailed, nil, failure)
 		if err != nil || !won {
-			return out, won, err
+			return out, won, err // the deferred rollback releases the row lock
+		}
+		released = true
+		if err := sp.Commit(ctx); err != nil { // releasing the savepoint keeps the lock in tx
+			return out, true, c.logStoreError(ctx, cl, storeError("complete", err))
 		}
 		out.failureStored = true
 		return out, true, fnErr

@@ -98,6 +98,56 @@ func TestDoTxPermanentFailureYieldsToDoReservation(t *testing.T) {
 	require.Equal(t, "from-do", v)
 }
 
+// The same race under Wait: DoTx waits for the Do holder and must not hold a lock on its
+// record meanwhile. It used to write the failed record in tx itself; the refused upsert
+// still locked the live row, the holder's heartbeat blocked on that lock, and after one
+// lease DoTx took over a live holder (and the holder's fn was cancelled).
+func TestDoTxPermanentFailureWaitsWithoutLockingHolder(t *testing.T) {
+	t.Parallel()
+	const lease = 300 * time.Millisecond
+	b := setup(t, &pgidem.Config{Lease: lease})
+	holders := make(chan *holder, 1)
+	var runs atomic.Int32
+	tx := b.begin(t)
+	type outcome struct {
+		res pgidem.Result[string]
+		err error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "mail", "k", testTTL,
+			&pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: 30 * time.Second},
+			func(ctx context.Context, tx pgx.Tx) (string, error) {
+				if runs.Add(1) == 1 {
+					holders <- b.hold(b.coord, "mail", "k", nil, "from-do")
+				}
+				return "", pgidem.Permanent(errors.New("declined"))
+			})
+		done <- outcome{res, err}
+	}()
+	h := <-holders
+	// Four leases: long enough for a blocked heartbeat to lose the holder's lease.
+	time.Sleep(4 * lease)
+	select {
+	case out := <-done:
+		t.Fatalf("DoTx returned while the holder was alive: %+v, %v", out.res, out.err)
+	case err := <-h.done:
+		t.Fatalf("the holder ended before it was unblocked: %v", err)
+	default:
+	}
+	h.unblock()
+	require.NoError(t, <-h.done, "the live holder kept its lease")
+	out := <-done
+	require.NoError(t, out.err)
+	require.True(t, out.res.Replayed)
+	require.Equal(t, "from-do", out.res.Value)
+	require.Equal(t, int32(1), runs.Load())
+	require.NoError(t, tx.Commit(b.ctx))
+	rec := b.lookup(t, "mail", "k")
+	require.Equal(t, pgidem.StatusCompleted, rec.Status)
+	require.Equal(t, 1, rec.Attempts)
+}
+
 // An expired inbox row that a sweep deletes while InboxRecordTx's statement is running
 // (the statement has already read the row and waits on the sweep's row lock) behaves like
 // no row: the message is new. If the sweep rolls back instead, the expired row is taken

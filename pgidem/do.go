@@ -520,9 +520,9 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 	if encErr == nil {
 		finishErr = c.complete(ctx, cl, owner, StatusCompleted, result, nil)
 		var pgErr *pgconn.PgError
-		if errors.As(finishErr, &pgErr) && isDataException(finishErr) {
+		if errors.As(finishErr, &pgErr) && isValueRefused(finishErr) {
 			// jsonb refused the value (an unpaired surrogate in a json.RawMessage, a number
-			// out of numeric's range): as unstorable as a NUL.
+			// out of numeric's range, nesting deeper than it parses): as unstorable as a NUL.
 			encErr = fmt.Errorf("the database rejected it: %s", pgErr.Message)
 		}
 	}
@@ -638,7 +638,7 @@ func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, o
 			}
 			return nil
 		}
-		if isDataException(err) {
+		if isValueRefused(err) {
 			// A value the server refuses is refused again, and is the caller's to handle
 			// (run stores it as not storable): not a store failure to log.
 			return &StoreError{Op: op, Err: err}

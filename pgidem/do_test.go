@@ -409,6 +409,28 @@ func TestReplayExactValues(t *testing.T) {
 			require.Equal(t, 1, runs, raw)
 		}
 	})
+
+	t.Run("TooDeepForJSONB", func(t *testing.T) {
+		// Nesting encoding/json writes but jsonb refuses with a program limit (SQLSTATE
+		// 54001, stack depth), not a data exception: still not storable, never retried as
+		// an outage (which left the record in progress and the effect to run again).
+		runs := 0
+		fn := func(context.Context) (any, error) {
+			runs++
+			v := any([]any{})
+			for range 50000 {
+				v = []any{v}
+			}
+			return v, nil
+		}
+		_, err := pgidem.Do(b.ctx, b.coord, "t", "too-deep", testTTL, nil, fn)
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable)
+		require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+		_, err = pgidem.Do(b.ctx, b.coord, "t", "too-deep", testTTL, nil, fn)
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable, "replayed, not re-run")
+		require.Equal(t, 1, runs)
+		require.Equal(t, pgidem.StatusFailed, b.lookup(t, "t", "too-deep").Status)
+	})
 }
 
 func TestFingerprint(t *testing.T) {

@@ -49,9 +49,11 @@ var (
 	ErrPermanent = errors.New("pgidem: permanent failure")
 
 	// ErrResultNotStorable means fn succeeded but its value could not be encoded as JSON
-	// for the record (a channel, a function, NaN, a string with a NUL character). The
-	// record is completed without a result, so the effect is not repeated; replays return
-	// this error.
+	// for the record (a channel, a function, NaN, a string with a NUL character), or
+	// Postgres refused the JSON (jsonb rejects an unpaired surrogate, a number beyond
+	// numeric's range, nesting deeper than its parser's stack allows). The record is
+	// completed without a result, so the effect is not repeated; replays return this
+	// error.
 	ErrResultNotStorable = errors.New("pgidem: result not storable")
 
 	// ErrNotFound is returned by [Coordinator.Lookup] when no record exists for the key.
@@ -168,16 +170,22 @@ const (
 	// sqlstateClassDataException is the class of errors for values the server refuses
 	// (22P02 invalid text representation, 22P05 untranslatable character, …).
 	sqlstateClassDataException = "22"
+	// sqlstateClassProgramLimit is the class of errors for values past one of the
+	// server's limits (54001 stack depth for jsonb nested too deep, 54000 for a string
+	// over jsonb's size limit): refused again on every attempt, like a data exception.
+	sqlstateClassProgramLimit = "54"
 	// sqlstateLockNotAvailable (lock_not_available) is raised when lock_timeout expires
 	// while DoTx waits for a key's advisory lock.
 	sqlstateLockNotAvailable = "55P03"
 )
 
-// isDataException reports whether err carries a server error of class 22: a value the
-// server refuses (jsonb rejecting a string or number, say).
-func isDataException(err error) bool {
+// isValueRefused reports whether err carries a server error of class 22 (data
+// exception) or 54 (program limit exceeded): a value the server refuses, and will refuse
+// again (jsonb rejecting a string or number, or JSON nested deeper than it parses).
+func isValueRefused(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, sqlstateClassDataException)
+	return errors.As(err, &pgErr) && (strings.HasPrefix(pgErr.Code, sqlstateClassDataException) ||
+		strings.HasPrefix(pgErr.Code, sqlstateClassProgramLimit))
 }
 
 // isConnectError reports whether err is a failure to reach the server at all (refused,

@@ -102,7 +102,10 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 //     is completed without it, so the effect is not repeated.
 //   - fn returns an error: the record is released so the next delivery runs fn again, and
 //     the error is returned unchanged — unless it is [Permanent], which is stored and
-//     replayed as a [*StoredFailureError].
+//     replayed as a [*StoredFailureError]. Releasing deletes a first reservation; one
+//     that took over a dead holder's is kept with its lease ended, so the next call takes
+//     it over at once and the record's attempts still show that the effect may have run
+//     more than once.
 //   - fn panics: the record is released and the panic continues.
 //
 // The finishing write runs on a context detached from ctx, bounded by

@@ -652,3 +652,55 @@ func TestHookOneOutcome(t *testing.T) {
 	}
 	require.Equal(t, 1, n, "events: %v", events)
 }
+
+// Releasing a reservation that took over a dead holder's keeps the evidence: the row stays
+// (its lease ended, so the next caller takes over at once) and the record that finally
+// completes says attempts 2, because the dead holder may have run the effect. Releasing
+// used to delete the row, and the next call started afresh with attempts 1. A first
+// reservation that is released still leaves no row.
+func TestReleaseAfterTakeoverKeepsAttempts(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	transient := errors.New("transient")
+	failing := func(context.Context) (int, error) { return 0, transient }
+
+	t.Run("Error", func(t *testing.T) {
+		reviewInsert(t, b, "err", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
+		res, err := pgidem.DoResult(b.ctx, b.coord, "mail", "err", testTTL, nil, failing)
+		require.ErrorIs(t, err, transient)
+		require.True(t, res.TookOver)
+		rec := b.lookup(t, "mail", "err")
+		require.Equal(t, pgidem.StatusInProgress, rec.Status)
+		require.Equal(t, 1, rec.Attempts, "the failed taker's attempt is not counted")
+		require.False(t, rec.LeaseExpiresAt.After(time.Now().Add(time.Second)), "its lease ended")
+
+		res, err = pgidem.DoResult(b.ctx, b.coord, "mail", "err", testTTL, nil,
+			func(context.Context) (int, error) { return 7, nil })
+		require.NoError(t, err)
+		require.True(t, res.TookOver, "taken over at once, without waiting for a lease")
+		require.Equal(t, 2, res.Attempts)
+		rec = b.lookup(t, "mail", "err")
+		require.Equal(t, pgidem.StatusCompleted, rec.Status)
+		require.Equal(t, 2, rec.Attempts, "the dead holder may have run the effect too")
+	})
+
+	t.Run("Panic", func(t *testing.T) {
+		reviewInsert(t, b, "panic", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
+		require.Panics(t, func() {
+			_, _ = pgidem.Do(b.ctx, b.coord, "mail", "panic", testTTL, nil,
+				func(context.Context) (int, error) { panic("boom") })
+		})
+		require.Equal(t, 1, b.lookup(t, "mail", "panic").Attempts)
+		res, err := pgidem.DoResult(b.ctx, b.coord, "mail", "panic", testTTL, nil,
+			func(context.Context) (int, error) { return 1, nil })
+		require.NoError(t, err)
+		require.Equal(t, 2, res.Attempts)
+	})
+
+	t.Run("FirstReservation", func(t *testing.T) {
+		_, err := pgidem.DoResult(b.ctx, b.coord, "mail", "first", testTTL, nil, failing)
+		require.ErrorIs(t, err, transient)
+		_, err = b.coord.Lookup(b.ctx, "mail", "first")
+		require.ErrorIs(t, err, pgidem.ErrNotFound, "a released first reservation leaves no row")
+	})
+}

@@ -241,9 +241,26 @@ WHERE r.namespace = u.namespace AND r.key = u.key AND r.owner = u.owner
 	AND (r.status = 'in_progress' OR r.status = u.status)
 RETURNING r.owner`),
 
+		// Give a reservation up (fn failed, panicked, or the caller's context ended). A
+		// first reservation (attempts 1) is deleted: the key is as if never used. A taken-
+		// over one is kept, its lease ended and its attempt uncounted, so the next caller
+		// takes it over at once and attempts again says more than 1: the dead holder before
+		// this one may have run the effect, and deleting the row would erase that.
+		// Returns one row when the reservation was still this owner's.
 		release: r.Replace(`
-DELETE FROM {t}
-WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`),
+WITH deleted AS (
+	DELETE FROM {t}
+	WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress' AND attempts = 1
+	RETURNING 1
+), kept AS (
+	UPDATE {t} SET
+		lease_expires_at = now(),
+		attempts = attempts - 1,
+		updated_at = now()
+	WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress' AND attempts > 1
+	RETURNING 1
+)
+SELECT 1 FROM deleted UNION ALL SELECT 1 FROM kept`),
 
 		lookup: r.Replace(`SELECT {cols} FROM {t} WHERE namespace = $1 AND key = $2`),
 

@@ -101,11 +101,14 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 //     invalid UTF-8) is returned with an error matching [ErrResultNotStorable]; the record
 //     is completed without it, so the effect is not repeated.
 //   - fn returns an error: the record is released so the next delivery runs fn again, and
-//     the error is returned unchanged — unless it is [Permanent], which is stored and
-//     replayed as a [*StoredFailureError]. Releasing deletes a first reservation; one
-//     that took over a dead holder's is kept with its lease ended, so the next call takes
-//     it over at once and the record's attempts still show that the effect may have run
+//     the error is returned unchanged. Releasing deletes a first reservation; one that
+//     took over a dead holder's is kept with its lease ended, so the next call takes it
+//     over at once and the record's attempts still show that the effect may have run
 //     more than once.
+//   - fn returns a [Permanent] error: it is stored and replayed as a
+//     [*StoredFailureError]. When storing it fails, the error returned matches fn's error
+//     and also [ErrStoreUnavailable] or [ErrLeaseLost], and nothing will be replayed: a
+//     later call takes the key over once the lease ends.
 //   - fn panics: the record is released and the panic continues.
 //
 // The finishing write runs on a context detached from ctx, bounded by
@@ -514,8 +517,14 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 		}
 		if err == errFinishNoRow {
 			c.leaseLost(ctx, cl)
+			err = fmt.Errorf("%w: %s/%s was taken over", ErrLeaseLost, cl.namespace, cl.key)
 		}
-		return fnErr
+		if err != nil && permanent != nil {
+			// The caller must not believe the failure will be replayed: a later call takes
+			// the key over once the lease ends and runs fn again.
+			return fmt.Errorf("%w (the failure was not stored: %w)", fnErr, err)
+		}
+		return fnErr // a release that failed leaves the lease to end: fn runs again then
 	}
 
 	result, panicked, encErr := encodeResult(encode)

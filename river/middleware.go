@@ -571,7 +571,11 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	case errors.Is(err, pgidem.ErrPermanent):
 		out.Action = ActionCancelled
 		return river.JobCancel(err)
-	case ran && errors.Is(err, pgidem.ErrLeaseLost):
+	case succeeded || (ran && errors.Is(err, pgidem.ErrLeaseLost)):
+		// The worker succeeded but its record could not be completed (the store failed,
+		// or the lease was lost), or the lease was lost while it ran: nothing was
+		// released, and River's retry finds the reservation in progress until its lease
+		// ends.
 		out.Action = ActionError
 		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
 	case ran:

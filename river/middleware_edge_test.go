@@ -5,6 +5,7 @@ package pgidemriver_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -406,3 +407,55 @@ func (h *fallbackLogCounter) Handle(_ context.Context, r slog.Record) error {
 }
 func (h *fallbackLogCounter) WithAttrs([]slog.Attr) slog.Handler { return h }
 func (h *fallbackLogCounter) WithGroup(string) slog.Handler      { return h }
+
+// failCompletions makes every completing write of a record fail, as a store outage that
+// outlasts the finishing write's retries would.
+func failCompletions(t *testing.T, b *bundle) {
+	t.Helper()
+	_, err := b.db.Pool.Exec(b.ctx, `
+CREATE FUNCTION fail_completion() RETURNS trigger LANGUAGE plpgsql AS
+	$$BEGIN RAISE EXCEPTION 'injected outage'; END$$;
+CREATE TRIGGER fail_completion BEFORE UPDATE ON pgidem_record
+	FOR EACH ROW WHEN (NEW.status <> 'in_progress') EXECUTE FUNCTION fail_completion()`)
+	require.NoError(t, err)
+}
+
+// When the record cannot be completed after the worker ran, the middleware says so: a
+// successful worker is an error outcome (nothing was released; River retries and finds the
+// reservation in progress until its lease ends), and a permanent failure still cancels the
+// job but with an error saying the failure was not stored. Both used to be reported as if
+// the record had been written (released; cancelled with the worker's error alone).
+func TestFinishingWriteFails(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	failCompletions(t, b)
+	mw, outs := b.newMiddleware(t, nil)
+	mw.Register(InvoiceArgs{})
+
+	t.Run("WorkerSucceeded", func(t *testing.T) {
+		err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":1}`), func(context.Context) error { return nil })
+		require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+		require.True(t, strings.HasPrefix(err.Error(), "pgidemriver: "), err.Error())
+		out := outs.waitFor(t, pgidemriver.ActionError)
+		require.Equal(t, "order-1.invoice", out.Key)
+		require.Zero(t, mw.Stats().Released)
+		rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-1.invoice")
+		require.NoError(t, err)
+		require.Equal(t, pgidem.StatusInProgress, rec.Status)
+	})
+
+	t.Run("PermanentFailure", func(t *testing.T) {
+		declined := errors.New("declined")
+		err := mw.Work(b.ctx, jobRow(2, "mail.invoice", `{"order_id":2}`), func(context.Context) error {
+			return pgidem.Permanent(declined)
+		})
+		var cancel *river.JobCancelError
+		require.ErrorAs(t, err, &cancel)
+		require.ErrorIs(t, err, declined)
+		require.ErrorIs(t, err, pgidem.ErrStoreUnavailable, "the failure was not stored")
+		outs.waitFor(t, pgidemriver.ActionCancelled)
+		rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-2.invoice")
+		require.NoError(t, err)
+		require.Equal(t, pgidem.StatusInProgress, rec.Status)
+	})
+}

@@ -26,7 +26,7 @@ lint:
 	$(GO) vet ./...
 	$(GO) run $(STATICCHECK) ./...
 
-## demo: the lab — the three redelivery scenes on real Postgres.
+## demo: the lab's three redelivery scenes, the Kafka consumer and the River worker, on real Postgres.
 demo:
 	$(GO) run ./examples/lab
 	$(GO) run ./examples/consumer

@@ -1,9 +1,11 @@
 // Command pgidem is the operator's tool for pgidem: it runs pgidem's migrations, inspects and
 // forgets idempotency records, sweeps expired rows and prints per-namespace statistics.
 //
-// Install it with
+// Install it from a clone of the repository with
 //
-//	go install github.com/pgidem/pgidem/cmd/pgidem@latest
+//	go install ./cmd/pgidem
+//
+// (or go install github.com/pgidem/pgidem/cmd/pgidem@latest once the module is published).
 //
 // # Commands
 //

@@ -401,3 +401,28 @@ func TestHeartbeatCoversAQueuedCompletion(t *testing.T) {
 	require.Equal(t, StatusCompleted, rec.Status)
 	require.Equal(t, 1, rec.Attempts)
 }
+
+// Releasing is safe to repeat (finish retries a write whose reply was lost): a kept
+// (taken-over) reservation matches again and keeps its attempts; it used to be decremented
+// again, or deleted once it reached 1.
+func TestReleaseRepeatable(t *testing.T) {
+	c, db := batchFixture(t)
+	ctx := context.Background()
+	cl, err := c.newCall("ns", "k", time.Hour, nil)
+	require.NoError(t, err)
+	owner := newOwner()
+	_, err = db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts, lease_expires_at, expires_at)
+		VALUES ('ns', 'k', 'in_progress', $1, 2, now() + interval '1 minute', now() + interval '1 hour')`, owner)
+	require.NoError(t, err)
+	for range 3 {
+		require.NoError(t, c.finish(ctx, cl, owner, "release", c.sql.release))
+		var attempts int
+		var ended bool
+		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT attempts, lease_expires_at <= now() FROM pgidem_record
+			WHERE namespace = 'ns' AND key = 'k'`).Scan(&attempts, &ended))
+		require.Equal(t, 2, attempts)
+		require.True(t, ended)
+	}
+	require.ErrorIs(t, c.finish(ctx, cl, newOwner(), "release", c.sql.release), errFinishNoRow,
+		"another owner matches nothing")
+}

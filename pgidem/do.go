@@ -103,8 +103,8 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 //   - fn returns an error: the record is released so the next delivery runs fn again, and
 //     the error is returned unchanged. Releasing deletes a first reservation; one that
 //     took over a dead holder's is kept with its lease ended, so the next call takes it
-//     over at once and the record's attempts still show that the effect may have run
-//     more than once.
+//     over at once and the record's attempts (which count every start of fn, the failed
+//     one too) still show that the effect may have run more than once.
 //   - fn returns a [Permanent] error: it is stored and replayed as a
 //     [*StoredFailureError]. When storing it fails, the error returned matches fn's error
 //     and also [ErrStoreUnavailable] or [ErrLeaseLost], and nothing will be replayed: a
@@ -513,6 +513,9 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 			failure, _ := json.Marshal(storedFailure{Message: storableMessage(permanent.Error())})
 			err = c.complete(ctx, cl, owner, StatusFailed, nil, failure)
 		} else {
+			// A release is never queued, so it needs no heartbeat cover; a renewal after it
+			// would revive the lease of a kept (taken-over) row.
+			hb.stop()
 			err = c.finish(ctx, cl, owner, "release", c.sql.release)
 		}
 		if err == errFinishNoRow {
@@ -645,7 +648,10 @@ func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, o
 		var tag pgconn.CommandTag
 		tag, err = c.pool.Exec(ctx, sql, args...)
 		if err == nil {
-			if tag.RowsAffected() == 0 {
+			if tag.RowsAffected() == 0 && !(op == "release" && attempt > 0) {
+				// A retried release that finds no row was done by the attempt whose reply
+				// was lost (a first reservation deleted); anything else means the
+				// reservation is no longer ours.
 				return errFinishNoRow
 			}
 			return nil

@@ -538,6 +538,13 @@ func (c *Coordinator) txUpsert(ctx context.Context, db executor, cl *call, statu
 	if errors.Is(err, pgx.ErrNoRows) {
 		return r, false, nil
 	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && isValueRefused(err) {
+		// jsonb refused the result (an unpaired surrogate, a number beyond numeric's range,
+		// nesting too deep): the caller's value, not the store, is at fault.
+		return r, false, fmt.Errorf("%w: the database rejected it: %s (the transaction's effect was rolled back)",
+			ErrResultNotStorable, pgErr.Message)
+	}
 	if err != nil {
 		return r, false, c.logStoreError(ctx, cl, storeError("complete", err))
 	}

@@ -5,6 +5,7 @@ package pgidem_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"sync/atomic"
@@ -529,4 +530,38 @@ func TestDoTxRepeatableReadWaitForDoTimesOut(t *testing.T) {
 	require.True(t, inProgress.Waited)
 	require.False(t, ran.Load())
 	requireUsable(t, b.ctx, tx)
+}
+
+// A result jsonb refuses (class 22 or 54) is the caller's value at fault, not a store
+// outage: DoTx returns ErrResultNotStorable, rolls fn's writes back and stores nothing, so
+// the next call runs fn again. It used to be reported (and logged) as ErrStoreUnavailable.
+func TestDoTxResultRefusedByJSONB(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.createLedger(t)
+	deep := func() any {
+		v := any([]any{})
+		for range 50000 {
+			v = []any{v}
+		}
+		return v
+	}
+	for name, value := range map[string]any{
+		"Surrogate": json.RawMessage(`"\ud800"`),
+		"TooDeep":   deep(),
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, err := pgidem.DoInTx(b.ctx, b.coord, "t", name, testTTL, nil, func(ctx context.Context, tx pgx.Tx) (any, error) {
+				_, err := tx.Exec(ctx, `INSERT INTO ledger (ref) VALUES ($1)`, name)
+				return value, err
+			})
+			require.ErrorIs(t, err, pgidem.ErrResultNotStorable)
+			require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+			_, err = b.coord.Lookup(b.ctx, "t", name)
+			require.ErrorIs(t, err, pgidem.ErrNotFound)
+			var n int
+			require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM ledger WHERE ref = $1`, name).Scan(&n))
+			require.Zero(t, n, "fn's writes were rolled back")
+		})
+	}
 }

@@ -654,34 +654,42 @@ func TestHookOneOutcome(t *testing.T) {
 }
 
 // Releasing a reservation that took over a dead holder's keeps the evidence: the row stays
-// (its lease ended, so the next caller takes over at once) and the record that finally
-// completes says attempts 2, because the dead holder may have run the effect. Releasing
-// used to delete the row, and the next call started afresh with attempts 1. A first
-// reservation that is released still leaves no row.
+// with its lease ended (the next caller takes over at once) and its attempts (the failed
+// start counts too), so the record says the effect may have run more than once all along.
+// Releasing used to delete the row, and the next call started afresh with attempts 1. A
+// first reservation that is released still leaves no row.
 func TestReleaseAfterTakeoverKeepsAttempts(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	transient := errors.New("transient")
 	failing := func(context.Context) (int, error) { return 0, transient }
+	requireKept := func(t *testing.T, key string, attempts int) {
+		t.Helper()
+		rec := b.lookup(t, "mail", key)
+		require.Equal(t, pgidem.StatusInProgress, rec.Status)
+		require.Equal(t, attempts, rec.Attempts)
+		require.False(t, rec.LeaseExpiresAt.After(rec.UpdatedAt), "its lease ended when it was released")
+		var tookOver bool
+		require.NoError(t, b.db.Pool.QueryRow(b.ctx,
+			`SELECT took_over FROM pgidem_record_overview WHERE namespace = 'mail' AND key = $1`, key).Scan(&tookOver))
+		require.True(t, tookOver, "the overview shows the takeover")
+	}
 
 	t.Run("Error", func(t *testing.T) {
 		reviewInsert(t, b, "err", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
 		res, err := pgidem.DoResult(b.ctx, b.coord, "mail", "err", testTTL, nil, failing)
 		require.ErrorIs(t, err, transient)
 		require.True(t, res.TookOver)
-		rec := b.lookup(t, "mail", "err")
-		require.Equal(t, pgidem.StatusInProgress, rec.Status)
-		require.Equal(t, 1, rec.Attempts, "the failed taker's attempt is not counted")
-		require.False(t, rec.LeaseExpiresAt.After(time.Now().Add(time.Second)), "its lease ended")
+		requireKept(t, "err", 2)
 
-		res, err = pgidem.DoResult(b.ctx, b.coord, "mail", "err", testTTL, nil,
+		res, err = pgidem.DoResult(b.ctx, b.coord, "mail", "err", testTTL, reviewRaise(),
 			func(context.Context) (int, error) { return 7, nil })
 		require.NoError(t, err)
 		require.True(t, res.TookOver, "taken over at once, without waiting for a lease")
-		require.Equal(t, 2, res.Attempts)
-		rec = b.lookup(t, "mail", "err")
+		require.Equal(t, 3, res.Attempts)
+		rec := b.lookup(t, "mail", "err")
 		require.Equal(t, pgidem.StatusCompleted, rec.Status)
-		require.Equal(t, 2, rec.Attempts, "the dead holder may have run the effect too")
+		require.Equal(t, 3, rec.Attempts, "the dead holder may have run the effect too")
 	})
 
 	t.Run("Panic", func(t *testing.T) {
@@ -690,11 +698,11 @@ func TestReleaseAfterTakeoverKeepsAttempts(t *testing.T) {
 			_, _ = pgidem.Do(b.ctx, b.coord, "mail", "panic", testTTL, nil,
 				func(context.Context) (int, error) { panic("boom") })
 		})
-		require.Equal(t, 1, b.lookup(t, "mail", "panic").Attempts)
+		requireKept(t, "panic", 2)
 		res, err := pgidem.DoResult(b.ctx, b.coord, "mail", "panic", testTTL, nil,
 			func(context.Context) (int, error) { return 1, nil })
 		require.NoError(t, err)
-		require.Equal(t, 2, res.Attempts)
+		require.Equal(t, 3, res.Attempts)
 	})
 
 	t.Run("FirstReservation", func(t *testing.T) {
@@ -703,4 +711,41 @@ func TestReleaseAfterTakeoverKeepsAttempts(t *testing.T) {
 		_, err = b.coord.Lookup(b.ctx, "mail", "first")
 		require.ErrorIs(t, err, pgidem.ErrNotFound, "a released first reservation leaves no row")
 	})
+}
+
+// The heartbeat is stopped before a release: a renewal that ran after the release would
+// revive the lease of the kept row, and the key would look held by nobody for a whole
+// lease. Here the release waits on a row lock long enough for a heartbeat tick to queue
+// behind it.
+func TestReleaseIsNotRevivedByHeartbeat(t *testing.T) {
+	t.Parallel()
+	const lease = 600 * time.Millisecond // a tick every 200 ms, each renewal waiting up to 200 ms
+	b := setup(t, &pgidem.Config{Lease: lease})
+	reviewInsert(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
+	locker, err := b.db.Pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer locker.Rollback(b.ctx) //nolint:errcheck
+	transient := errors.New("transient")
+	done := make(chan error, 1)
+	go func() {
+		_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) {
+			// After the takeover committed: lock the row so the release has to wait.
+			_, err := locker.Exec(b.ctx, `SELECT 1 FROM pgidem_record WHERE key = 'k' FOR UPDATE`)
+			require.NoError(t, err)
+			return 0, transient
+		})
+		done <- err
+	}()
+	reviewWaitBlocked(t, b, 1)
+	// Had the heartbeat still been running, its renewal would now be queued behind the
+	// release (and it gives up only after a whole lease without a renewal).
+	time.Sleep(lease / 2)
+	require.NoError(t, locker.Commit(b.ctx))
+	require.ErrorIs(t, <-done, transient)
+	rec := b.lookup(t, "mail", "k")
+	require.Equal(t, pgidem.StatusInProgress, rec.Status)
+	require.False(t, rec.LeaseExpiresAt.After(rec.UpdatedAt), "the lease stays ended")
+	_, err = pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, reviewRaise(),
+		func(context.Context) (int, error) { return 1, nil })
+	require.NoError(t, err, "the next caller takes over at once")
 }

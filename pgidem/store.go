@@ -243,10 +243,13 @@ RETURNING r.owner`),
 
 		// Give a reservation up (fn failed, panicked, or the caller's context ended). A
 		// first reservation (attempts 1) is deleted: the key is as if never used. A taken-
-		// over one is kept, its lease ended and its attempt uncounted, so the next caller
-		// takes it over at once and attempts again says more than 1: the dead holder before
-		// this one may have run the effect, and deleting the row would erase that.
-		// Returns one row when the reservation was still this owner's.
+		// over one is kept with its lease ended, so the next caller takes it over at once,
+		// and its attempts stay: the dead holder before this one may have run the effect,
+		// and deleting the row would erase that (the failed attempt counts too: fn was
+		// started). Safe to repeat (finish retries a lost reply): a kept row matches again
+		// and only has its lease ended again. The heartbeat must be stopped first, or a late
+		// renewal would revive the kept row's lease. Returns one row when the reservation
+		// was still this owner's.
 		release: r.Replace(`
 WITH deleted AS (
 	DELETE FROM {t}
@@ -254,8 +257,7 @@ WITH deleted AS (
 	RETURNING 1
 ), kept AS (
 	UPDATE {t} SET
-		lease_expires_at = now(),
-		attempts = attempts - 1,
+		lease_expires_at = least(lease_expires_at, now()),
 		updated_at = now()
 	WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress' AND attempts > 1
 	RETURNING 1

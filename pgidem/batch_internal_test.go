@@ -417,11 +417,12 @@ func TestReleaseRepeatable(t *testing.T) {
 	for range 3 {
 		require.NoError(t, c.finish(ctx, cl, owner, "release", c.sql.release))
 		var attempts int
-		var ended bool
-		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT attempts, lease_expires_at <= now() FROM pgidem_record
-			WHERE namespace = 'ns' AND key = 'k'`).Scan(&attempts, &ended))
+		var ended, marked bool
+		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT attempts, lease_expires_at <= now(), lease_expires_at = updated_at
+			FROM pgidem_record WHERE namespace = 'ns' AND key = 'k'`).Scan(&attempts, &ended, &marked))
 		require.Equal(t, 2, attempts)
 		require.True(t, ended)
+		require.True(t, marked, "still marked released, so taking it over counts no attempt")
 	}
 	require.ErrorIs(t, c.finish(ctx, cl, newOwner(), "release", c.sql.release), errFinishNoRow,
 		"another owner matches nothing")

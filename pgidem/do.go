@@ -11,6 +11,7 @@ import (
 	"math/rand/v2"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -62,7 +63,8 @@ type Result[T any] struct {
 	// Waited is true when the call waited for another holder before its outcome.
 	Waited bool
 	// TookOver is true when this call took over an expired lease from a holder that
-	// stopped renewing it.
+	// stopped renewing it (not a record its holder released after an error, which is
+	// taken over without counting an attempt).
 	TookOver bool
 	// FailedOpen is true when fn ran unprotected because the store was unreachable.
 	FailedOpen bool
@@ -103,8 +105,9 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 //   - fn returns an error: the record is released so the next delivery runs fn again, and
 //     the error is returned unchanged. Releasing deletes a first reservation; one that
 //     took over a dead holder's is kept with its lease ended, so the next call takes it
-//     over at once and the record's attempts (which count every start of fn, the failed
-//     one too) still show that the effect may have run more than once.
+//     over at once (counting no attempt and reporting no takeover: this holder did not
+//     die) and the record's attempts still show that the effect may have run more than
+//     once.
 //   - fn returns a [Permanent] error: it is stored and replayed as a
 //     [*StoredFailureError]. When storing it fails, the error returned matches fn's error
 //     and also [ErrStoreUnavailable] or [ErrLeaseLost], and nothing will be replayed: a
@@ -299,7 +302,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 				return acq, c.logStoreError(ctx, cl, storeError("takeover", err))
 			}
 			acq.held, acq.row = true, t
-			if !r.expired {
+			if !r.expired && !r.released {
 				acq.tookOver = true
 				c.config.Logger.WarnContext(ctx, "pgidem: took over expired lease; the effect may run more than once",
 					slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", t.attempts))
@@ -563,11 +566,25 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn f
 	return nil
 }
 
+// maxStoredMessageBytes caps the message of a stored failure: a record holds the failure
+// to replay it, not a log; jsonb refuses strings over 256 MiB outright.
+const maxStoredMessageBytes = 64 << 10
+
 // storableMessage makes an error message storable in jsonb: NUL characters (which jsonb
-// refuses) are written as the two characters \0. Invalid UTF-8 becomes U+FFFD through
-// encoding/json, which jsonb accepts.
+// refuses) are written as the two characters \0, and a message over
+// maxStoredMessageBytes is cut at a character boundary and marked. Invalid UTF-8 becomes
+// U+FFFD through encoding/json, which jsonb accepts.
 func storableMessage(msg string) string {
-	return strings.ReplaceAll(msg, "\x00", `\0`)
+	msg = strings.ReplaceAll(msg, "\x00", `\0`)
+	if len(msg) <= maxStoredMessageBytes {
+		return msg
+	}
+	const mark = " … (truncated)"
+	cut := maxStoredMessageBytes - len(mark)
+	for cut > 0 && !utf8.RuneStart(msg[cut]) {
+		cut--
+	}
+	return msg[:cut] + mark
 }
 
 // encodeResult runs encode, turning a panic into an error (and returning the panic value so
@@ -634,9 +651,10 @@ func (c *Coordinator) complete(ctx context.Context, cl *call, owner pgtype.UUID,
 var errFinishNoRow = errors.New("pgidem: reservation no longer owned")
 
 // finish runs an owner-conditional write on a context detached from the caller's, retrying
-// store errors briefly. It returns errFinishNoRow when the row is no longer ours and a
-// *StoreError when the store kept failing (the lease expiry then lets a later delivery
-// decide).
+// store errors briefly. It returns errFinishNoRow when the row is no longer ours (except
+// for a release retried after an attempt that may have committed: the missing row is that
+// attempt's delete) and a *StoreError when the store kept failing (the lease expiry then
+// lets a later delivery decide).
 func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, op, sql string, extra ...any) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
@@ -644,18 +662,21 @@ func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, o
 	// Pauses between attempts of a failing write: about a second in all.
 	finishRetries := [...]time.Duration{50 * time.Millisecond, 200 * time.Millisecond, 500 * time.Millisecond}
 	var err error
+	maybeApplied := false // an earlier attempt may have reached the server and committed
 	for attempt := 0; ; attempt++ {
 		var tag pgconn.CommandTag
 		tag, err = c.pool.Exec(ctx, sql, args...)
 		if err == nil {
-			if tag.RowsAffected() == 0 && !(op == "release" && attempt > 0) {
-				// A retried release that finds no row was done by the attempt whose reply
-				// was lost (a first reservation deleted); anything else means the
-				// reservation is no longer ours.
+			if tag.RowsAffected() == 0 && !(op == "release" && maybeApplied) {
+				// A release that finds no row after an attempt that may have committed was
+				// done by that attempt, whose reply was lost (a first reservation
+				// deleted); anything else means the reservation is no longer ours.
 				return errFinishNoRow
 			}
 			return nil
 		}
+		// Nothing was sent when the connection could not be made, or pgconn says so.
+		maybeApplied = maybeApplied || !(isConnectError(err) || pgconn.SafeToRetry(err))
 		if isValueRefused(err) {
 			// A value the server refuses is refused again, and is the caller's to handle
 			// (run stores it as not storable): not a store failure to log.

@@ -36,7 +36,7 @@ type dotxStatements struct {
 
 func newDotxStatements(schema string) dotxStatements {
 	t := qualify(schema, "pgidem_record")
-	r := strings.NewReplacer("{t}", t, "{cols}", rowColumns)
+	r := strings.NewReplacer("{t}", t, "{cols}", rowColumns, "{released}", releasedCondition("r."))
 	return dotxStatements{
 		read: r.Replace(`SELECT {cols} FROM {t} WHERE namespace = $1 AND key = $2`),
 
@@ -56,7 +56,9 @@ VALUES ($1, $2, $3, $4, 1, $5, $6, $7, NULL,
 ON CONFLICT (namespace, key) DO UPDATE SET
 	status = excluded.status,
 	owner = excluded.owner,
-	attempts = CASE WHEN r.expires_at <= statement_timestamp() THEN 1 ELSE r.attempts + 1 END,
+	attempts = CASE WHEN r.expires_at <= statement_timestamp() THEN 1
+		WHEN {released} THEN r.attempts
+		ELSE r.attempts + 1 END,
 	fingerprint = CASE WHEN r.expires_at <= statement_timestamp() THEN excluded.fingerprint
 		ELSE coalesce(r.fingerprint, excluded.fingerprint) END,
 	result = excluded.result,
@@ -305,7 +307,7 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 
 		default:
 			// Absent, expired, or a dead Do holder's lease ran out: run fn here.
-			tookOver := found && !r.expired
+			tookOver := found && !r.expired && !r.released
 			out, won, err := runTx(ctx, c, tx, cl, fn)
 			if err != nil {
 				return res, out.failureStored, err
@@ -498,8 +500,12 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 			return out, true, c.logStoreError(ctx, cl, storeError("savepoint", err))
 		}
 		_, won, err := c.txUpsert(ctx, sp, cl, StatusFailed, nil, failure)
-		if err != nil || !won {
-			return out, won, err // the deferred rollback releases the row lock
+		if err != nil {
+			// The deferred rollback undoes the write; fn's error must not be lost.
+			return out, true, fmt.Errorf("%w (the failure was not stored: %w)", fnErr, err)
+		}
+		if !won {
+			return out, false, nil // the deferred rollback releases the row lock
 		}
 		released = true
 		if err := sp.Commit(ctx); err != nil { // releasing the savepoint keeps the lock in tx

@@ -5,9 +5,11 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -109,5 +111,72 @@ func TestKeptReleaseLostReply(t *testing.T) {
 	require.Equal(t, 2, rec.Attempts)
 	res, err = pgidem.DoResult(b.ctx, b.coord, "mail", "k", testTTL, reviewRaise(), func(context.Context) (int, error) { return 1, nil })
 	require.NoError(t, err)
-	require.Equal(t, 3, res.Attempts)
+	require.Equal(t, 2, res.Attempts)
+}
+
+// A release retried after an attempt that never reached the server (it could not connect)
+// and that then finds no row reports the lost lease: nothing of ours was written, so the
+// row is gone because another caller took the key over. Only an attempt that may have
+// committed excuses a missing row.
+func TestReleaseRetryAfterConnectFailureReportsTakeover(t *testing.T) {
+	t.Parallel()
+	const lease = 300 * time.Millisecond
+	b := setup(t, nil)
+	var offline atomic.Bool
+	pool := b.newPool(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if offline.Load() {
+				return nil, errors.New("network down")
+			}
+			return (&net.Dialer{}).DialContext(ctx, network, addr)
+		}
+	})
+	var leaseLost atomic.Int32
+	coord := b.newCoordOn(t, pool, &pgidem.Config{Lease: lease, Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		if e.Kind == pgidem.EventLeaseLost {
+			leaseLost.Add(1)
+		}
+	})})
+	var taker *holder
+	transient := errors.New("transient")
+	_, err := pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(ctx context.Context) (int, error) {
+		offline.Store(true)
+		pool.Reset()                                       // the holder's connections are gone; its heartbeat cannot reach the server
+		<-ctx.Done()                                       // cancelled with ErrLeaseLost once a whole lease passed without renewal
+		taker = b.hold(b.coord, "mail", "k", nil, "taker") // takes the expired lease over
+		time.AfterFunc(20*time.Millisecond, func() { offline.Store(false) })
+		return 0, transient
+	})
+	require.ErrorIs(t, err, transient)
+	require.EqualValues(t, 1, leaseLost.Load(), "the release found the key taken over")
+	taker.unblock()
+	require.NoError(t, <-taker.done)
+	require.Equal(t, 2, b.lookup(t, "mail", "k").Attempts)
+}
+
+// A failure message too long to keep is cut, so the failure is still stored and replayed
+// (jsonb refuses strings over 256 MiB; a record is no log). Do and DoInTx alike.
+func TestLongFailureMessageTruncated(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	long := strings.Repeat("é", 100_000) // 200 KB, cut at a character boundary
+	check := func(t *testing.T, err error) {
+		t.Helper()
+		var stored *pgidem.StoredFailureError
+		require.ErrorAs(t, err, &stored)
+		require.True(t, strings.HasSuffix(stored.Message, "(truncated)"), stored.Message[len(stored.Message)-40:])
+		require.LessOrEqual(t, len(stored.Message), 64<<10)
+		require.True(t, utf8.ValidString(stored.Message))
+	}
+	permanent := pgidem.Permanent(errors.New(long))
+
+	_, err := pgidem.Do(b.ctx, b.coord, "t", "do", testTTL, nil, func(context.Context) (int, error) { return 0, permanent })
+	require.ErrorIs(t, err, pgidem.ErrPermanent)
+	_, err = pgidem.Do(b.ctx, b.coord, "t", "do", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+	check(t, err)
+
+	_, err = pgidem.DoInTx(b.ctx, b.coord, "t", "dotx", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 0, permanent })
+	require.ErrorIs(t, err, pgidem.ErrPermanent)
+	_, err = pgidem.DoInTx(b.ctx, b.coord, "t", "dotx", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+	check(t, err)
 }

@@ -654,10 +654,11 @@ func TestHookOneOutcome(t *testing.T) {
 }
 
 // Releasing a reservation that took over a dead holder's keeps the evidence: the row stays
-// with its lease ended (the next caller takes over at once) and its attempts (the failed
-// start counts too), so the record says the effect may have run more than once all along.
-// Releasing used to delete the row, and the next call started afresh with attempts 1. A
-// first reservation that is released still leaves no row.
+// with its lease ended (the next caller takes over at once) and its attempts, so the record
+// says the effect may have run more than once all along. Taking the released row over
+// counts no attempt and reports no takeover (its holder did not die). Releasing used to
+// delete the row, and the next call started afresh with attempts 1. A first reservation
+// that is released still leaves no row.
 func TestReleaseAfterTakeoverKeepsAttempts(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -684,12 +685,12 @@ func TestReleaseAfterTakeoverKeepsAttempts(t *testing.T) {
 
 		res, err = pgidem.DoResult(b.ctx, b.coord, "mail", "err", testTTL, reviewRaise(),
 			func(context.Context) (int, error) { return 7, nil })
-		require.NoError(t, err)
-		require.True(t, res.TookOver, "taken over at once, without waiting for a lease")
-		require.Equal(t, 3, res.Attempts)
+		require.NoError(t, err, "taken over at once, without waiting for a lease")
+		require.False(t, res.TookOver, "a released record's holder did not stop renewing: no takeover")
+		require.Equal(t, 2, res.Attempts, "the release counted no attempt")
 		rec := b.lookup(t, "mail", "err")
 		require.Equal(t, pgidem.StatusCompleted, rec.Status)
-		require.Equal(t, 3, rec.Attempts, "the dead holder may have run the effect too")
+		require.Equal(t, 2, rec.Attempts, "the dead holder may have run the effect too")
 	})
 
 	t.Run("Panic", func(t *testing.T) {
@@ -702,7 +703,20 @@ func TestReleaseAfterTakeoverKeepsAttempts(t *testing.T) {
 		res, err := pgidem.DoResult(b.ctx, b.coord, "mail", "panic", testTTL, nil,
 			func(context.Context) (int, error) { return 1, nil })
 		require.NoError(t, err)
-		require.Equal(t, 3, res.Attempts)
+		require.Equal(t, 2, res.Attempts)
+	})
+
+	t.Run("DoTx", func(t *testing.T) {
+		reviewInsert(t, b, "dotx", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
+		_, err := pgidem.DoResult(b.ctx, b.coord, "mail", "dotx", testTTL, nil, failing)
+		require.ErrorIs(t, err, transient)
+		tx := b.begin(t)
+		res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "mail", "dotx", testTTL, nil,
+			func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+		require.NoError(t, err)
+		require.False(t, res.TookOver)
+		require.Equal(t, 2, res.Attempts, "DoTx counts no attempt for a released record either")
+		require.NoError(t, tx.Commit(b.ctx))
 	})
 
 	t.Run("FirstReservation", func(t *testing.T) {

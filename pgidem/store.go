@@ -94,11 +94,22 @@ type statements struct {
 // The verdicts use statement_timestamp(), not now(): the two agree in a statement of its
 // own, but inside a caller's transaction (LookupTx, DoTx) now() is frozen at the
 // transaction's start, so a lease or TTL that ran out since would still look alive.
-const rowColumns = `status, owner, attempts, fingerprint, result, error, lease_expires_at,
+var rowColumns = `status, owner, attempts, fingerprint, result, error, lease_expires_at,
 	expires_at, created_at, updated_at, completed_at,
 	expires_at <= statement_timestamp() AS expired,
 	(status = 'in_progress' AND lease_expires_at <= statement_timestamp()) AS lease_expired,
-	statement_timestamp() AS db_now`
+	statement_timestamp() AS db_now, ` + releasedColumn
+
+// releasedCondition is true for an in-progress row its holder gave up (see the release
+// statement): its lease was ended in the same statement that set updated_at, which no
+// other write does (they all set the lease a whole lease ahead, or clear it). alias
+// qualifies the columns ("r." in a statement that names the table r).
+func releasedCondition(alias string) string {
+	return alias + `status = 'in_progress' AND ` + alias + `lease_expires_at = ` + alias + `updated_at`
+}
+
+// releasedColumn is the released verdict, the last column of rowColumns and probeColumns.
+var releasedColumn = `(` + releasedCondition("") + `) AS released`
 
 // roundGuard, joined into the statements of batch.go's rounds, bounds their lock waits by
 // a lock_timeout local to the statement's own transaction (set_config with is_local; an
@@ -107,14 +118,14 @@ const rowColumns = `status, owner, attempts, fingerprint, result, error, lease_e
 const roundGuard = `(SELECT set_config('lock_timeout', '` + batchLockTimeout + `', true)) AS guard`
 
 // probeColumns are the columns of the probe statement, in probeTargets' order.
-const probeColumns = `status, attempts, fingerprint, result, error, lease_expires_at, completed_at,
+var probeColumns = `status, attempts, fingerprint, result, error, lease_expires_at, completed_at,
 	expires_at <= statement_timestamp() AS expired,
 	(status = 'in_progress' AND lease_expires_at <= statement_timestamp()) AS lease_expired,
-	statement_timestamp() AS db_now`
+	statement_timestamp() AS db_now, ` + releasedColumn
 
 func newStatements(schema string) statements {
 	t := qualify(schema, "pgidem_record")
-	r := strings.NewReplacer("{t}", t, "{cols}", rowColumns, "{guard}", roundGuard)
+	r := strings.NewReplacer("{t}", t, "{cols}", rowColumns, "{guard}", roundGuard, "{released}", releasedCondition(""))
 	// reserve and complete come in two forms: as is, and (for batch.go's rounds) under
 	// roundGuard, which their single-row source or join evaluates before any row is
 	// written or locked.
@@ -189,11 +200,12 @@ WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.owner = i.owner)`),
 		// WHERE clause is re-checked on the newest row version under READ COMMITTED, so of
 		// two concurrent takers exactly one updates a row. An expired record starts afresh
 		// (attempts 1, new fingerprint); a lease takeover counts an attempt and keeps a
-		// stored fingerprint.
+		// stored fingerprint. A released record (its holder gave up after an error) keeps
+		// its count: the release counted nothing that may have run the effect.
 		takeover: r.Replace(`
 UPDATE {t} SET
 	owner = $3,
-	attempts = CASE WHEN expires_at <= now() THEN 1 ELSE attempts + 1 END,
+	attempts = CASE WHEN expires_at <= now() THEN 1 WHEN {released} THEN attempts ELSE attempts + 1 END,
 	fingerprint = CASE WHEN expires_at <= now() THEN $4 ELSE coalesce(fingerprint, $4) END,
 	created_at = CASE WHEN expires_at <= now() THEN now() ELSE created_at END,
 	status = 'in_progress',
@@ -243,22 +255,25 @@ RETURNING r.owner`),
 
 		// Give a reservation up (fn failed, panicked, or the caller's context ended). A
 		// first reservation (attempts 1) is deleted: the key is as if never used. A taken-
-		// over one is kept with its lease ended, so the next caller takes it over at once,
-		// and its attempts stay: the dead holder before this one may have run the effect,
-		// and deleting the row would erase that (the failed attempt counts too: fn was
-		// started). Safe to repeat (finish retries a lost reply): a kept row matches again
-		// and only has its lease ended again. The heartbeat must be stopped first, or a late
-		// renewal would revive the kept row's lease. Returns one row when the reservation
-		// was still this owner's.
+		// over one is kept with its lease ended and its attempts, so the next caller takes
+		// it over at once and the record still says the dead holder before this one may
+		// have run the effect; deleting the row would erase that. The kept row is marked
+		// released (lease_expires_at = updated_at, releasedCondition): taking it over
+		// counts no attempt and reports no takeover, as after a deleted first reservation.
+		// Safe to repeat (finish retries a lost reply): a kept row matches again and is left
+		// as it is. The heartbeat must be stopped first, or a late renewal
+		// would revive the kept row's lease. Returns one row when the reservation was still
+		// this owner's.
 		release: r.Replace(`
 WITH deleted AS (
 	DELETE FROM {t}
 	WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress' AND attempts = 1
 	RETURNING 1
 ), kept AS (
-	UPDATE {t} SET
-		lease_expires_at = least(lease_expires_at, now()),
-		updated_at = now()
+	UPDATE {t} SET -- a row already released (a repeat) is left as it is
+		lease_expires_at = CASE WHEN {released} THEN lease_expires_at
+			ELSE least(lease_expires_at, now()) END,
+		updated_at = CASE WHEN {released} THEN updated_at ELSE now() END
 	WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress' AND attempts > 1
 	RETURNING 1
 )
@@ -302,12 +317,13 @@ type row struct {
 	expired      bool
 	leaseExpired bool
 	dbNow        time.Time
+	released     bool // given up by its holder (releasedCondition); taking it over is no takeover
 }
 
 func (r *row) scanTargets(withInserted bool) []any {
 	targets := []any{&r.status, &r.owner, &r.attempts, &r.fingerprint, &r.result, &r.failure,
 		&r.leaseExpires, &r.expiresAt, &r.createdAt, &r.updatedAt, &r.completedAt, &r.expired,
-		&r.leaseExpired, &r.dbNow}
+		&r.leaseExpired, &r.dbNow, &r.released}
 	if withInserted {
 		return append([]any{&r.inserted}, targets...)
 	}
@@ -317,7 +333,7 @@ func (r *row) scanTargets(withInserted bool) []any {
 // probeTargets are the scan targets of the probe statement.
 func (r *row) probeTargets() []any {
 	return []any{&r.status, &r.attempts, &r.fingerprint, &r.result, &r.failure,
-		&r.leaseExpires, &r.completedAt, &r.expired, &r.leaseExpired, &r.dbNow}
+		&r.leaseExpires, &r.completedAt, &r.expired, &r.leaseExpired, &r.dbNow, &r.released}
 }
 
 // available reports whether the row counts as absent: expired, or in progress with an

@@ -427,3 +427,57 @@ func TestReleaseRepeatable(t *testing.T) {
 	require.ErrorIs(t, c.finish(ctx, cl, newOwner(), "release", c.sql.release), errFinishNoRow,
 		"another owner matches nothing")
 }
+
+// A release whose lease had already run out (the heartbeat lost the store for a whole
+// lease, nobody took over) is marked released like any other: its holder gave up, it did
+// not die, so taking the key over counts no attempt.
+func TestReleaseAfterLeaseRanOutIsMarked(t *testing.T) {
+	c, db := batchFixture(t)
+	ctx := context.Background()
+	cl, err := c.newCall("ns", "k", time.Hour, nil)
+	require.NoError(t, err)
+	owner := newOwner()
+	_, err = db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts, lease_expires_at, expires_at)
+		VALUES ('ns', 'k', 'in_progress', $1, 2, now() - interval '1 second', now() + interval '1 hour')`, owner)
+	require.NoError(t, err)
+	require.NoError(t, c.finish(ctx, cl, owner, "release", c.sql.release))
+	var marked bool
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT lease_expires_at = updated_at FROM pgidem_record
+		WHERE namespace = 'ns' AND key = 'k'`).Scan(&marked))
+	require.True(t, marked)
+}
+
+// A release that the server refused (here: lock timeouts behind a transaction that takes
+// the key over) applied nothing, so when a later attempt finds no row of its owner the
+// reservation was taken over: errFinishNoRow, not a silent success.
+func TestReleaseRetryAfterServerErrorReportsTakeover(t *testing.T) {
+	db := testdb.New(t)
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["lock_timeout"] = "50ms"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	c, err := NewCoordinator(pool, &Config{MinTTL: 2 * time.Second, Lease: time.Second})
+	require.NoError(t, err)
+	cl, err := c.newCall("ns", "k", time.Hour, nil)
+	require.NoError(t, err)
+	owner := newOwner()
+	_, err = db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts, lease_expires_at, expires_at)
+		VALUES ('ns', 'k', 'in_progress', $1, 2, now() + interval '1 minute', now() + interval '1 hour')`, owner)
+	require.NoError(t, err)
+	taker, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer taker.Rollback(ctx) //nolint:errcheck
+	_, err = taker.Exec(ctx, `UPDATE pgidem_record SET owner = gen_random_uuid(), attempts = attempts + 1
+		WHERE namespace = 'ns' AND key = 'k'`)
+	require.NoError(t, err)
+	committed := make(chan error, 1)
+	go func() {
+		time.Sleep(150 * time.Millisecond) // the release's first attempts time out meanwhile
+		committed <- taker.Commit(ctx)
+	}()
+	require.ErrorIs(t, c.finish(ctx, cl, owner, "release", c.sql.release), errFinishNoRow)
+	require.NoError(t, <-committed)
+}

@@ -675,8 +675,11 @@ func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, o
 			}
 			return nil
 		}
-		// Nothing was sent when the connection could not be made, or pgconn says so.
-		maybeApplied = maybeApplied || !(isConnectError(err) || pgconn.SafeToRetry(err))
+		// Nothing was applied when the connection could not be made, when pgconn says
+		// nothing was sent, or when the server answered with an error (the statement,
+		// its own transaction, rolled back).
+		var pgErr *pgconn.PgError
+		maybeApplied = maybeApplied || !(isConnectError(err) || pgconn.SafeToRetry(err) || errors.As(err, &pgErr))
 		if isValueRefused(err) {
 			// A value the server refuses is refused again, and is the caller's to handle
 			// (run stores it as not storable): not a store failure to log.

@@ -271,8 +271,7 @@ WITH deleted AS (
 	RETURNING 1
 ), kept AS (
 	UPDATE {t} SET -- a row already released (a repeat) is left as it is
-		lease_expires_at = CASE WHEN {released} THEN lease_expires_at
-			ELSE least(lease_expires_at, now()) END,
+		lease_expires_at = CASE WHEN {released} THEN lease_expires_at ELSE now() END,
 		updated_at = CASE WHEN {released} THEN updated_at ELSE now() END
 	WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress' AND attempts > 1
 	RETURNING 1

@@ -302,7 +302,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 				return acq, c.logStoreError(ctx, cl, storeError("takeover", err))
 			}
 			acq.held, acq.row = true, t
-			if !r.expired && !r.released {
+			if t.tookOver {
 				acq.tookOver = true
 				c.config.Logger.WarnContext(ctx, "pgidem: took over expired lease; the effect may run more than once",
 					slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", t.attempts))
@@ -412,8 +412,12 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 // reserveOne runs a single-key reserving statement with owner as the token.
 func (c *Coordinator) reserveOne(ctx context.Context, sql string, cl *call, owner pgtype.UUID) (row, error) {
 	var r row
+	targets := r.scanTargets(true)
+	if sql == c.sql.takeover {
+		targets = append(targets, &r.tookOver)
+	}
 	err := c.pool.QueryRow(ctx, sql, cl.namespace, cl.key, owner, cl.fingerprint,
-		micros(cl.lease), micros(cl.ttl)).Scan(r.scanTargets(true)...)
+		micros(cl.lease), micros(cl.ttl)).Scan(targets...)
 	return r, err
 }
 

@@ -46,13 +46,22 @@ func newDotxStatements(schema string) dotxStatements {
 		// changes, so that holder's late writes are refused). A live row — a Do holder that
 		// reserved the key after DoTx read it — is left alone and nothing is returned. A
 		// unique violation is never raised, so the caller's transaction is never aborted by
-		// a duplicate; the primary key is the backstop behind the advisory lock.
+		// a duplicate; the primary key is the backstop behind the advisory lock. took_over
+		// (after {cols}) says whether it took over a Do holder that died, read from the row
+		// it locked and overwrote, not from DoTx's earlier read (the CTE locks the newest
+		// version first; a released row is no takeover).
 		upsert: r.Replace(`
+WITH old AS (
+	SELECT r.expires_at <= statement_timestamp() AS was_expired, ({released}) AS was_released
+	FROM {t} AS r WHERE r.namespace = $1 AND r.key = $2
+	FOR UPDATE
+)
 INSERT INTO {t} AS r (namespace, key, status, owner, attempts, fingerprint, result, error,
 	lease_expires_at, expires_at, created_at, updated_at, completed_at)
-VALUES ($1, $2, $3, $4, 1, $5, $6, $7, NULL,
+SELECT $1, $2, $3, $4, 1, $5, $6, $7, NULL,
 	statement_timestamp() + $8 * interval '1 microsecond',
-	statement_timestamp(), statement_timestamp(), statement_timestamp())
+	statement_timestamp(), statement_timestamp(), statement_timestamp()
+FROM (SELECT count(*) FROM old) AS locked -- lock and read the old row before writing
 ON CONFLICT (namespace, key) DO UPDATE SET
 	status = excluded.status,
 	owner = excluded.owner,
@@ -73,7 +82,7 @@ WHERE r.expires_at <= statement_timestamp()
 	OR (r.status = 'in_progress' AND r.lease_expires_at <= statement_timestamp()
 		AND (excluded.fingerprint IS NULL OR r.fingerprint IS NULL
 			OR r.fingerprint = excluded.fingerprint))
-RETURNING {cols}`),
+RETURNING {cols}, coalesce((SELECT NOT was_expired AND NOT was_released FROM old), false) AS took_over`),
 	}
 }
 
@@ -307,14 +316,13 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 
 		default:
 			// Absent, expired, or a dead Do holder's lease ran out: run fn here.
-			tookOver := found && !r.expired && !r.released
 			out, won, err := runTx(ctx, c, tx, cl, fn)
 			if err != nil {
 				return res, out.failureStored, err
 			}
 			if won {
-				res.Value, res.Attempts, res.TookOver = out.value, out.row.attempts, tookOver
-				if tookOver {
+				res.Value, res.Attempts, res.TookOver = out.value, out.row.attempts, out.row.tookOver
+				if out.row.tookOver {
 					c.config.Logger.WarnContext(ctx, "pgidem: took over expired lease in a transaction; the effect may run more than once",
 						slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", out.row.attempts))
 					c.emit(ctx, EventTakenOver, cl.namespace, 1)
@@ -540,7 +548,7 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 func (c *Coordinator) txUpsert(ctx context.Context, db executor, cl *call, status Status, result, failure []byte) (row, bool, error) {
 	var r row
 	err := db.QueryRow(ctx, c.sql.dotx.upsert, cl.namespace, cl.key, status, newOwner(), cl.fingerprint,
-		result, failure, micros(cl.ttl)).Scan(r.scanTargets(false)...)
+		result, failure, micros(cl.ttl)).Scan(append(r.scanTargets(false), &r.tookOver)...)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return r, false, nil
 	}

@@ -763,3 +763,62 @@ func TestReleaseIsNotRevivedByHeartbeat(t *testing.T) {
 		func(context.Context) (int, error) { return 1, nil })
 	require.NoError(t, err, "the next caller takes over at once")
 }
+
+// Whether a call took over is decided on the row its takeover statement locked, not on its
+// earlier read: here the read sees a released record (no takeover), but before the
+// takeover writes, another holder took the key over and died (its lease ran out). That is
+// a takeover: attempts go up and Result.TookOver says so.
+func TestTookOverDecidedAtWrite(t *testing.T) {
+	t.Parallel()
+	for _, viaDoTx := range []bool{false, true} {
+		name := map[bool]string{false: "Do", true: "DoTx"}[viaDoTx]
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			testTookOverDecidedAtWrite(t, viaDoTx)
+		})
+	}
+}
+
+func testTookOverDecidedAtWrite(t *testing.T, viaDoTx bool) {
+	b := setup(t, nil)
+	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record
+		(namespace, key, status, owner, attempts, lease_expires_at, updated_at, expires_at)
+		VALUES ('mail', 'k', 'in_progress', gen_random_uuid(), 2, now() - interval '1 second',
+			now() - interval '1 second', now() + interval '1 hour')`) // released
+	require.NoError(t, err)
+	crashed := b.begin(t) // another holder's takeover, committed after our read
+	_, err = crashed.Exec(b.ctx, `UPDATE pgidem_record SET owner = gen_random_uuid(), attempts = 3,
+		lease_expires_at = now() - interval '1 millisecond', updated_at = now() - interval '1 second'
+		WHERE namespace = 'mail' AND key = 'k'`)
+	require.NoError(t, err)
+	type outcome struct {
+		res pgidem.Result[int]
+		err error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		if viaDoTx {
+			tx, err := b.db.Pool.Begin(b.ctx)
+			if err != nil {
+				done <- outcome{err: err}
+				return
+			}
+			defer tx.Rollback(b.ctx) //nolint:errcheck // a no-op after commit
+			res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
+				func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+			if err == nil {
+				err = tx.Commit(b.ctx)
+			}
+			done <- outcome{res, err}
+			return
+		}
+		res, err := pgidem.DoResult(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+		done <- outcome{res, err}
+	}()
+	reviewWaitBlocked(t, b, 1) // our takeover waits for the other holder's row lock
+	require.NoError(t, crashed.Commit(b.ctx))
+	out := <-done
+	require.NoError(t, out.err)
+	require.True(t, out.res.TookOver, "the holder whose lease it took over died")
+	require.Equal(t, 4, out.res.Attempts)
+}

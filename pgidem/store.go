@@ -202,7 +202,17 @@ WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.owner = i.owner)`),
 		// (attempts 1, new fingerprint); a lease takeover counts an attempt and keeps a
 		// stored fingerprint. A released record (its holder gave up after an error) keeps
 		// its count: the release counted nothing that may have run the effect.
+		//
+		// took_over (the last column, after {cols}) says whether the statement counted a
+		// takeover: the row was neither expired nor released. It is read from the row the
+		// statement locked and updated (the CTE locks the newest version first), not from
+		// the caller's earlier read, which another caller may have overtaken.
 		takeover: r.Replace(`
+WITH old AS (
+	SELECT expires_at <= now() AS was_expired, ({released}) AS was_released
+	FROM {t} WHERE namespace = $1 AND key = $2
+	FOR UPDATE
+)
 UPDATE {t} SET
 	owner = $3,
 	attempts = CASE WHEN expires_at <= now() THEN 1 WHEN {released} THEN attempts ELSE attempts + 1 END,
@@ -215,10 +225,11 @@ UPDATE {t} SET
 	lease_expires_at = now() + $5 * interval '1 microsecond',
 	expires_at = now() + $6 * interval '1 microsecond',
 	updated_at = now()
+FROM old
 WHERE namespace = $1 AND key = $2
 	AND (expires_at <= now() OR (status = 'in_progress' AND lease_expires_at <= now()))
 	AND ($4::bytea IS NULL OR fingerprint IS NULL OR fingerprint = $4 OR expires_at <= now())
-RETURNING true AS inserted, {cols}`),
+RETURNING true AS inserted, {cols}, NOT old.was_expired AND NOT old.was_released AS took_over`),
 
 		// Renew the lease, and keep the record's expiry a whole TTL beyond it: a holder that
 		// dies is then always taken over (attempts + 1) before its record can count as
@@ -317,6 +328,7 @@ type row struct {
 	leaseExpired bool
 	dbNow        time.Time
 	released     bool // given up by its holder (releasedCondition); taking it over is no takeover
+	tookOver     bool // the takeover statement and DoTx's upsert only: they took over a holder that died
 }
 
 func (r *row) scanTargets(withInserted bool) []any {

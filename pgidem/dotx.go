@@ -47,21 +47,21 @@ func newDotxStatements(schema string) dotxStatements {
 		// reserved the key after DoTx read it — is left alone and nothing is returned. A
 		// unique violation is never raised, so the caller's transaction is never aborted by
 		// a duplicate; the primary key is the backstop behind the advisory lock. took_over
-		// (after {cols}) says whether it took over a Do holder that died, read from the row
-		// it locked and overwrote, not from DoTx's earlier read (the CTE locks the newest
-		// version first; a released row is no takeover).
+		// (after {cols}) says whether it took over a Do holder that died (a released row is
+		// no takeover), read by this statement rather than taken from DoTx's earlier read,
+		// which fn's whole run separates from the write. The CTE reads without locking: a
+		// lock would raise a serialization failure under REPEATABLE READ for a row deleted
+		// after the snapshot (an expired record swept), which the upsert treats as absent.
 		upsert: r.Replace(`
 WITH old AS (
 	SELECT r.expires_at <= statement_timestamp() AS was_expired, ({released}) AS was_released
 	FROM {t} AS r WHERE r.namespace = $1 AND r.key = $2
-	FOR UPDATE
 )
 INSERT INTO {t} AS r (namespace, key, status, owner, attempts, fingerprint, result, error,
 	lease_expires_at, expires_at, created_at, updated_at, completed_at)
-SELECT $1, $2, $3, $4, 1, $5, $6, $7, NULL,
+VALUES ($1, $2, $3, $4, 1, $5, $6, $7, NULL,
 	statement_timestamp() + $8 * interval '1 microsecond',
-	statement_timestamp(), statement_timestamp(), statement_timestamp()
-FROM (SELECT count(*) FROM old) AS locked -- lock and read the old row before writing
+	statement_timestamp(), statement_timestamp(), statement_timestamp())
 ON CONFLICT (namespace, key) DO UPDATE SET
 	status = excluded.status,
 	owner = excluded.owner,

@@ -565,3 +565,33 @@ func TestDoTxResultRefusedByJSONB(t *testing.T) {
 		})
 	}
 }
+
+// Under REPEATABLE READ and SERIALIZABLE, an expired record that a sweep deletes after the
+// caller's snapshot behaves like no record: DoTx inserts afresh. (A version of the upsert
+// that locked the old row first failed here with a serialization failure.)
+func TestDoTxSweptExpiredRecordUnderRepeatableRead(t *testing.T) {
+	t.Parallel()
+	for _, iso := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable} {
+		t.Run(string(iso), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, result, expires_at)
+				VALUES ('t', 'k', 'completed', gen_random_uuid(), '0', now() - interval '1 second')`)
+			require.NoError(t, err)
+			tx, err := b.db.Pool.BeginTx(b.ctx, pgx.TxOptions{IsoLevel: iso})
+			require.NoError(t, err)
+			defer tx.Rollback(b.ctx) //nolint:errcheck // a no-op after commit
+			res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "t", "k", testTTL, nil, func(ctx context.Context, _ pgx.Tx) (int, error) {
+				swept, err := b.coord.Sweep(ctx, nil) // another session deletes the expired row
+				require.NoError(t, err)
+				require.EqualValues(t, 1, swept.Records)
+				return 1, nil
+			})
+			require.NoError(t, err)
+			require.Equal(t, 1, res.Value)
+			require.Equal(t, 1, res.Attempts)
+			require.False(t, res.TookOver)
+			require.NoError(t, tx.Commit(b.ctx))
+		})
+	}
+}

@@ -796,8 +796,10 @@ func testTookOverDecidedAtWrite(t *testing.T, viaDoTx bool) {
 		err error
 	}
 	done := make(chan outcome, 1)
-	go func() {
-		if viaDoTx {
+	if viaDoTx {
+		// DoTx reads, then runs fn, then writes: the other holder commits while fn runs.
+		inFn, proceed := make(chan struct{}), make(chan struct{})
+		go func() {
 			tx, err := b.db.Pool.Begin(b.ctx)
 			if err != nil {
 				done <- outcome{err: err}
@@ -805,18 +807,27 @@ func testTookOverDecidedAtWrite(t *testing.T, viaDoTx bool) {
 			}
 			defer tx.Rollback(b.ctx) //nolint:errcheck // a no-op after commit
 			res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
-				func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+				func(context.Context, pgx.Tx) (int, error) {
+					close(inFn)
+					<-proceed
+					return 1, nil
+				})
 			if err == nil {
 				err = tx.Commit(b.ctx)
 			}
 			done <- outcome{res, err}
-			return
-		}
-		res, err := pgidem.DoResult(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
-		done <- outcome{res, err}
-	}()
-	reviewWaitBlocked(t, b, 1) // our takeover waits for the other holder's row lock
-	require.NoError(t, crashed.Commit(b.ctx))
+		}()
+		<-inFn
+		require.NoError(t, crashed.Commit(b.ctx))
+		close(proceed)
+	} else {
+		go func() {
+			res, err := pgidem.DoResult(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+			done <- outcome{res, err}
+		}()
+		reviewWaitBlocked(t, b, 1) // the takeover statement waits for the other holder's row lock
+		require.NoError(t, crashed.Commit(b.ctx))
+	}
 	out := <-done
 	require.NoError(t, out.err)
 	require.True(t, out.res.TookOver, "the holder whose lease it took over died")

@@ -46,22 +46,38 @@ func newDotxStatements(schema string) dotxStatements {
 		// changes, so that holder's late writes are refused). A live row — a Do holder that
 		// reserved the key after DoTx read it — is left alone and nothing is returned. A
 		// unique violation is never raised, so the caller's transaction is never aborted by
-		// a duplicate; the primary key is the backstop behind the advisory lock. took_over
-		// (after {cols}) says whether it took over a Do holder that died (a released row is
-		// no takeover), read by this statement rather than taken from DoTx's earlier read,
-		// which fn's whole run separates from the write. The CTE reads without locking: a
-		// lock would raise a serialization failure under REPEATABLE READ for a row deleted
-		// after the snapshot (an expired record swept), which the upsert treats as absent.
+		// a duplicate; the primary key is the backstop behind the advisory lock.
+		//
+		// took_over (after {cols}) says whether it took over a Do holder that died (a
+		// released row is no takeover), decided by this statement rather than by DoTx's
+		// earlier read, which fn's whole run separates from the write. Under READ
+		// COMMITTED the old row is locked and read first (locked, evaluated before the
+		// insert through the count), so the verdict is about the very version ON CONFLICT
+		// then updates, even when another writer commits while the statement waits; a row
+		// deleted meanwhile is just skipped. Under REPEATABLE READ and SERIALIZABLE it is
+		// read from the snapshot (seen), which is what ON CONFLICT acts on there (a newer
+		// version raises a serialization failure), without a lock: locking a row deleted
+		// after the snapshot (an expired record swept) would fail although the upsert treats
+		// it as absent.
 		upsert: r.Replace(`
-WITH old AS (
+WITH locked AS (
 	SELECT r.expires_at <= statement_timestamp() AS was_expired, ({released}) AS was_released
 	FROM {t} AS r WHERE r.namespace = $1 AND r.key = $2
+		AND current_setting('transaction_isolation') = 'read committed'
+	FOR UPDATE
+), seen AS (
+	SELECT r.expires_at <= statement_timestamp() AS was_expired, ({released}) AS was_released
+	FROM {t} AS r WHERE r.namespace = $1 AND r.key = $2
+		AND current_setting('transaction_isolation') <> 'read committed'
+), old AS (
+	SELECT * FROM locked UNION ALL SELECT * FROM seen
 )
 INSERT INTO {t} AS r (namespace, key, status, owner, attempts, fingerprint, result, error,
 	lease_expires_at, expires_at, created_at, updated_at, completed_at)
-VALUES ($1, $2, $3, $4, 1, $5, $6, $7, NULL,
+SELECT $1, $2, $3, $4, 1, $5, $6, $7, NULL,
 	statement_timestamp() + $8 * interval '1 microsecond',
-	statement_timestamp(), statement_timestamp(), statement_timestamp())
+	statement_timestamp(), statement_timestamp(), statement_timestamp()
+FROM (SELECT count(*) FROM old) AS read_first
 ON CONFLICT (namespace, key) DO UPDATE SET
 	status = excluded.status,
 	owner = excluded.owner,
@@ -499,25 +515,26 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 		// only rolling the savepoint back releases the lock — otherwise tx would hold it
 		// while the caller waits for that record's holder, whose heartbeat it would block
 		// until the holder's lease ran out and tx took over a live holder.
+		notStored := func(err error) error { return fmt.Errorf("%w (the failure was not stored: %w)", fnErr, err) }
 		if err := sp.Rollback(ctx); err != nil {
-			return out, true, c.logStoreError(ctx, cl, storeError("release", err))
+			return out, true, notStored(c.logStoreError(ctx, cl, storeError("release", err)))
 		}
 		failure, _ := json.Marshal(storedFailure{Message: storableMessage(permanent.Error())})
 		if sp, err = tx.Begin(ctx); err != nil {
 			released = true
-			return out, true, c.logStoreError(ctx, cl, storeError("savepoint", err))
+			return out, true, notStored(c.logStoreError(ctx, cl, storeError("savepoint", err)))
 		}
 		_, won, err := c.txUpsert(ctx, sp, cl, StatusFailed, nil, failure)
 		if err != nil {
 			// The deferred rollback undoes the write; fn's error must not be lost.
-			return out, true, fmt.Errorf("%w (the failure was not stored: %w)", fnErr, err)
+			return out, true, notStored(err)
 		}
 		if !won {
 			return out, false, nil // the deferred rollback releases the row lock
 		}
 		released = true
 		if err := sp.Commit(ctx); err != nil { // releasing the savepoint keeps the lock in tx
-			return out, true, c.logStoreError(ctx, cl, storeError("complete", err))
+			return out, true, notStored(c.logStoreError(ctx, cl, storeError("complete", err)))
 		}
 		out.failureStored = true
 		return out, true, fnErr

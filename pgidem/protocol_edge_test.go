@@ -770,16 +770,17 @@ func TestReleaseIsNotRevivedByHeartbeat(t *testing.T) {
 // a takeover: attempts go up and Result.TookOver says so.
 func TestTookOverDecidedAtWrite(t *testing.T) {
 	t.Parallel()
-	for _, viaDoTx := range []bool{false, true} {
-		name := map[bool]string{false: "Do", true: "DoTx"}[viaDoTx]
-		t.Run(name, func(t *testing.T) {
+	for _, mode := range []string{"Do", "DoTxCommitDuringFn", "DoTxCommitDuringWrite"} {
+		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
-			testTookOverDecidedAtWrite(t, viaDoTx)
+			testTookOverDecidedAtWrite(t, mode)
 		})
 	}
 }
 
-func testTookOverDecidedAtWrite(t *testing.T, viaDoTx bool) {
+// testTookOverDecidedAtWrite: mode says who takes the key over (Do or DoTx) and, for DoTx,
+// whether the other holder commits while fn runs or while DoTx's write waits for its lock.
+func testTookOverDecidedAtWrite(t *testing.T, mode string) {
 	b := setup(t, nil)
 	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record
 		(namespace, key, status, owner, attempts, lease_expires_at, updated_at, expires_at)
@@ -796,8 +797,8 @@ func testTookOverDecidedAtWrite(t *testing.T, viaDoTx bool) {
 		err error
 	}
 	done := make(chan outcome, 1)
-	if viaDoTx {
-		// DoTx reads, then runs fn, then writes: the other holder commits while fn runs.
+	if mode != "Do" {
+		// DoTx reads, then runs fn, then writes.
 		inFn, proceed := make(chan struct{}), make(chan struct{})
 		go func() {
 			tx, err := b.db.Pool.Begin(b.ctx)
@@ -818,8 +819,14 @@ func testTookOverDecidedAtWrite(t *testing.T, viaDoTx bool) {
 			done <- outcome{res, err}
 		}()
 		<-inFn
-		require.NoError(t, crashed.Commit(b.ctx))
-		close(proceed)
+		if mode == "DoTxCommitDuringFn" {
+			require.NoError(t, crashed.Commit(b.ctx))
+			close(proceed)
+		} else {
+			close(proceed)
+			reviewWaitBlocked(t, b, 1) // DoTx's write waits for the other holder's row lock
+			require.NoError(t, crashed.Commit(b.ctx))
+		}
 	} else {
 		go func() {
 			res, err := pgidem.DoResult(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })

@@ -78,8 +78,9 @@ func WorkTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coo
 		return res, river.JobSnooze(min(max(inProgress.RetryAfter, SnoozeMinDefault), SnoozeMaxDefault))
 	case errors.Is(err, pgidem.ErrPermanent):
 		var stored *pgidem.StoredFailureError
-		if !errors.As(err, &stored) {
-			// A fresh permanent failure: commit the stored failure.
+		if !errors.As(err, &stored) && !errors.Is(err, pgidem.ErrStoreUnavailable) {
+			// A fresh permanent failure, stored in tx: commit it. (One that could not be
+			// stored matches ErrStoreUnavailable; tx then holds nothing worth committing.)
 			if cerr := tx.Commit(ctx); cerr != nil {
 				return res, fmt.Errorf("pgidemriver: WorkTx: commit stored failure: %w", cerr)
 			}

@@ -15,8 +15,8 @@ import (
 
 // The DoTx and inbox baselines send the statements pgidem sends, in the same transactions,
 // through the same pool: the ratio pgidem/baseline from one run is the library's overhead.
-// The one difference: pgidem's upsert also reads the old row (a CTE that decides whether it
-// took over), which the hand-written baseline has no use for.
+// The one difference: pgidem's upsert also reads (under READ COMMITTED, locks) the old row
+// first, in a CTE that decides whether it took over, which the baseline has no use for.
 // A fresh DoTx key costs BEGIN, the pipelined try-lock and read (one round trip), SAVEPOINT,
 // the upsert, RELEASE and COMMIT; a replay costs BEGIN, the pipelined try-lock and read, and
 // COMMIT. A new inbox message costs BEGIN, the recording insert and COMMIT; a duplicate

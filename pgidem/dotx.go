@@ -51,9 +51,10 @@ func newDotxStatements(schema string) dotxStatements {
 		// took_over (after {cols}) says whether it took over a Do holder that died (a
 		// released row is no takeover), decided by this statement rather than by DoTx's
 		// earlier read, which fn's whole run separates from the write. Under READ
-		// COMMITTED the old row is locked and read first (locked, evaluated before the
-		// insert through the count), so the verdict is about the very version ON CONFLICT
-		// then updates, even when another writer commits while the statement waits; a row
+		// COMMITTED (and READ UNCOMMITTED, which Postgres runs as READ COMMITTED) the old
+		// row is locked, in the mode ON CONFLICT DO UPDATE locks it, and read first
+		// (locked, evaluated before the insert through the count), so the verdict is about
+		// the very version ON CONFLICT then updates, even when another writer commits while the statement waits; a row
 		// deleted meanwhile is just skipped. Under REPEATABLE READ and SERIALIZABLE it is
 		// read from the snapshot (seen), which is what ON CONFLICT acts on there (a newer
 		// version raises a serialization failure), without a lock: locking a row deleted
@@ -63,12 +64,12 @@ func newDotxStatements(schema string) dotxStatements {
 WITH locked AS (
 	SELECT r.expires_at <= statement_timestamp() AS was_expired, ({released}) AS was_released
 	FROM {t} AS r WHERE r.namespace = $1 AND r.key = $2
-		AND current_setting('transaction_isolation') = 'read committed'
-	FOR UPDATE
+		AND current_setting('transaction_isolation') NOT IN ('repeatable read', 'serializable')
+	FOR NO KEY UPDATE
 ), seen AS (
 	SELECT r.expires_at <= statement_timestamp() AS was_expired, ({released}) AS was_released
 	FROM {t} AS r WHERE r.namespace = $1 AND r.key = $2
-		AND current_setting('transaction_isolation') <> 'read committed'
+		AND current_setting('transaction_isolation') IN ('repeatable read', 'serializable')
 ), old AS (
 	SELECT * FROM locked UNION ALL SELECT * FROM seen
 )

@@ -770,7 +770,7 @@ func TestReleaseIsNotRevivedByHeartbeat(t *testing.T) {
 // a takeover: attempts go up and Result.TookOver says so.
 func TestTookOverDecidedAtWrite(t *testing.T) {
 	t.Parallel()
-	for _, mode := range []string{"Do", "DoTxCommitDuringFn", "DoTxCommitDuringWrite"} {
+	for _, mode := range []string{"Do", "DoTxCommitDuringFn", "DoTxCommitDuringWrite", "DoTxReadUncommittedCommitDuringWrite"} {
 		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
 			testTookOverDecidedAtWrite(t, mode)
@@ -801,7 +801,11 @@ func testTookOverDecidedAtWrite(t *testing.T, mode string) {
 		// DoTx reads, then runs fn, then writes.
 		inFn, proceed := make(chan struct{}), make(chan struct{})
 		go func() {
-			tx, err := b.db.Pool.Begin(b.ctx)
+			iso := pgx.ReadCommitted
+			if mode == "DoTxReadUncommittedCommitDuringWrite" {
+				iso = pgx.ReadUncommitted // Postgres runs it as READ COMMITTED
+			}
+			tx, err := b.db.Pool.BeginTx(b.ctx, pgx.TxOptions{IsoLevel: iso})
 			if err != nil {
 				done <- outcome{err: err}
 				return
@@ -822,7 +826,7 @@ func testTookOverDecidedAtWrite(t *testing.T, mode string) {
 		if mode == "DoTxCommitDuringFn" {
 			require.NoError(t, crashed.Commit(b.ctx))
 			close(proceed)
-		} else {
+		} else { // the CommitDuringWrite modes
 			close(proceed)
 			reviewWaitBlocked(t, b, 1) // DoTx's write waits for the other holder's row lock
 			require.NoError(t, crashed.Commit(b.ctx))

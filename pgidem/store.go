@@ -211,7 +211,7 @@ WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.owner = i.owner)`),
 WITH old AS (
 	SELECT expires_at <= now() AS was_expired, ({released}) AS was_released
 	FROM {t} WHERE namespace = $1 AND key = $2
-	FOR UPDATE
+	FOR NO KEY UPDATE -- the mode the UPDATE itself takes
 )
 UPDATE {t} SET
 	owner = $3,

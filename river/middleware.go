@@ -106,13 +106,14 @@ const (
 	// ActionSnoozed: another execution holds the key (in progress, lease alive); the job
 	// was answered with river.JobSnooze, which does not use an attempt.
 	ActionSnoozed Action = "snoozed"
-	// ActionReleased: the worker returned an error (including a snooze or cancel error);
-	// the reservation was released and the error returned unchanged, so River's retry runs
-	// the worker again.
+	// ActionReleased: the worker returned an error (including a snooze or cancel error) or
+	// panicked; the reservation was released and the error returned unchanged (a panic
+	// continues, for River to recover), so River's retry runs the worker again.
 	ActionReleased Action = "released"
 	// ActionCancelled: the effect failed permanently (the worker returned a
-	// [pgidem.Permanent] error, now or on an earlier job with the key); the job was
-	// cancelled with river.JobCancel so River does not retry it.
+	// [pgidem.Permanent] error, now or on an earlier job with the key, possibly wrapped in
+	// its own river.JobCancel); the failure was stored and the job cancelled with
+	// river.JobCancel so River does not retry it.
 	ActionCancelled Action = "cancelled"
 	// ActionError: the middleware could not decide (invalid key, undecodable args, store
 	// unreachable, lease lost); the error was returned to River, which retries the job.
@@ -150,7 +151,8 @@ type Outcome struct {
 	OutputNotStored bool
 	// Snooze is the delay given to river.JobSnooze for [ActionSnoozed].
 	Snooze time.Duration
-	// Err is the error returned to River, nil on success.
+	// Err is the error returned to River, nil on success. For a panic (which continues to
+	// River) it is an error describing the panic.
 	Err error
 }
 
@@ -430,12 +432,30 @@ func (m *Middleware) Work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		return doInner(ctx)
 	}
 	out := &Outcome{Job: job}
+	defer func() {
+		// A panic (River recovers it around the middleware chain) still gets its outcome:
+		// released when the worker panicked (pgidem released the reservation), an error
+		// when the key could not be found.
+		if p := recover(); p != nil {
+			if out.Action != ActionReleased {
+				out.Action = ActionError
+			}
+			out.Err = fmt.Errorf("pgidemriver: job %d (%s) panicked: %v", job.ID, job.Kind, p)
+			m.report(ctx, out)
+			panic(p)
+		}
+	}()
 	out.Err = m.work(ctx, job, doInner, out)
+	m.report(ctx, out)
+	return out.Err
+}
+
+// report counts out in Stats and hands it to the Hook.
+func (m *Middleware) report(ctx context.Context, out *Outcome) {
 	m.record(out)
 	if m.config.Hook != nil {
 		m.config.Hook.OnOutcome(ctx, out)
 	}
-	return out.Err
 }
 
 func (m *Middleware) record(out *Outcome) {
@@ -516,6 +536,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 				return effectRecord{}, errReserveTimeout
 			}
 			ran = true
+			out.Action = ActionReleased // what a panicking worker comes to; replaced below otherwise
 			slot := &outputSlot{}
 			workCtx := context.WithValue(fnCtx, outputSlotKey{}, slot)
 			workCtx = context.WithValue(workCtx, reservedJobKey{}, job.ID)
@@ -567,6 +588,9 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		return nil
 	case ran && (errors.As(err, &snoozeErr) || errors.As(err, &cancelErr)):
 		out.Action = ActionReleased
+		if errors.Is(err, pgidem.ErrPermanent) {
+			out.Action = ActionCancelled // river.JobCancel(pgidem.Permanent(e)): stored as failed
+		}
 		return err // River's own control errors pass through unchanged
 	case errors.Is(err, pgidem.ErrPermanent):
 		out.Action = ActionCancelled

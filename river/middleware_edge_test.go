@@ -459,3 +459,57 @@ func TestFinishingWriteFails(t *testing.T) {
 		require.Equal(t, pgidem.StatusInProgress, rec.Status)
 	})
 }
+
+// A worker that panics (River recovers the panic around the middleware chain) still gets
+// an outcome and a count: released, since pgidem released the reservation; a panic
+// before the worker (in the key method) is an error outcome. Both panics continue.
+func TestPanicOutcome(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.newMiddleware(t, nil)
+	mw.Register(InvoiceArgs{}, PanickyKeyArgs{})
+
+	require.PanicsWithValue(t, "boom", func() {
+		_ = mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":1}`), func(context.Context) error { panic("boom") })
+	})
+	out := outs.waitFor(t, pgidemriver.ActionReleased)
+	require.ErrorContains(t, out.Err, "panicked: boom")
+	_, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-1.invoice")
+	require.ErrorIs(t, err, pgidem.ErrNotFound, "the reservation was released")
+
+	require.PanicsWithValue(t, "no key", func() {
+		_ = mw.Work(b.ctx, jobRow(2, "edge.panickykey", `{}`), func(context.Context) error { return nil })
+	})
+	outs.waitFor(t, pgidemriver.ActionError)
+	stats := mw.Stats()
+	require.EqualValues(t, 1, stats.Released)
+	require.EqualValues(t, 1, stats.Errors)
+}
+
+// PanickyKeyArgs panic when asked for their key.
+type PanickyKeyArgs struct{}
+
+func (PanickyKeyArgs) Kind() string           { return "edge.panickykey" }
+func (PanickyKeyArgs) IdempotencyKey() string { panic("no key") }
+
+// A worker that wraps a permanent failure in its own river.JobCancel: the failure is stored
+// (a later job with the key replays it) and the outcome says cancelled, not released.
+func TestJobCancelWrappingPermanent(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.newMiddleware(t, nil)
+	mw.Register(InvoiceArgs{})
+	declined := errors.New("declined")
+	err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":3}`), func(context.Context) error {
+		return river.JobCancel(pgidem.Permanent(declined))
+	})
+	var cancel *river.JobCancelError
+	require.ErrorAs(t, err, &cancel)
+	require.ErrorIs(t, err, declined)
+	outs.waitFor(t, pgidemriver.ActionCancelled)
+	require.EqualValues(t, 1, mw.Stats().Cancelled)
+	require.Zero(t, mw.Stats().Released)
+	rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-3.invoice")
+	require.NoError(t, err)
+	require.Equal(t, pgidem.StatusFailed, rec.Status)
+}

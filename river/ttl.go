@@ -11,13 +11,19 @@ import (
 	"github.com/riverqueue/river/rivertype"
 )
 
-// DiscardedJobRetentionDefault is River's default river.Config.DiscardedJobRetentionPeriod
-// (7 days, River v0.51), used by [Middleware.CheckTTL] when the config leaves it zero.
-const DiscardedJobRetentionDefault = 7 * 24 * time.Hour
+// River's default retention periods (River v0.51), used by [Middleware.CheckTTL] for a
+// river.Config field left zero.
+const (
+	// DiscardedJobRetentionDefault is River's default DiscardedJobRetentionPeriod (7 days).
+	DiscardedJobRetentionDefault = 7 * 24 * time.Hour
+	// CompletedJobRetentionDefault is River's default CompletedJobRetentionPeriod (24 h).
+	CompletedJobRetentionDefault = 24 * time.Hour
+	// CancelledJobRetentionDefault is River's default CancelledJobRetentionPeriod (24 h).
+	CancelledJobRetentionDefault = 24 * time.Hour
+)
 
-// HorizonInfinite is the horizon [Middleware.CheckTTL] reports when discarded jobs are
-// kept forever (river.Config.DiscardedJobRetentionPeriod -1): a discarded job can be
-// retried by hand at any time.
+// HorizonInfinite is the horizon [Middleware.CheckTTL] reports when River keeps finished
+// jobs forever (a retention period of -1): such a job can be retried by hand at any time.
 const HorizonInfinite = time.Duration(math.MaxInt64)
 
 // TTLWarning reports a job kind whose record TTL is shorter than its redelivery horizon: a
@@ -35,7 +41,13 @@ type TTLWarning struct {
 	// DiscardedRetention is how long River keeps a discarded job, during which it can be
 	// retried by hand; [HorizonInfinite] when kept forever.
 	DiscardedRetention time.Duration
-	// Horizon is Retries + DiscardedRetention, or [HorizonInfinite].
+	// CompletedRetention is the longer of how long River keeps a completed and a cancelled
+	// job, during which river.Client.JobRetry can run it again by hand (it then replays
+	// the record while the record lasts); [HorizonInfinite] when kept forever. It counts
+	// from the job's end, as the record's TTL counts from the effect's completion.
+	CompletedRetention time.Duration
+	// Horizon is the larger of Retries + DiscardedRetention and CompletedRetention, or
+	// [HorizonInfinite].
 	Horizon time.Duration
 }
 
@@ -43,7 +55,9 @@ type TTLWarning struct {
 // [Middleware.Register]) with its redelivery horizon under riverConfig — River's retry
 // schedule across the kind's MaxAttempts ([RetryHorizon], with riverConfig.RetryPolicy),
 // plus riverConfig.DiscardedJobRetentionPeriod, during which a discarded job can still be
-// retried by hand — and logs a warning for each kind whose TTL is shorter. It returns the
+// retried by hand; and at least the completed and cancelled job retention periods, during
+// which River's JobRetry can run a finished job again — and logs a warning for each kind
+// whose TTL is shorter. It returns the
 // warnings, sorted by kind; none means every registered kind is covered.
 //
 // [NewClient] runs it when it creates the client. Otherwise call it with the river.Config
@@ -73,13 +87,9 @@ func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []
 	m.mu.RUnlock()
 	sort.Slice(infos, func(i, j int) bool { return infos[i].args.Kind() < infos[j].args.Kind() })
 
-	retention := riverConfig.DiscardedJobRetentionPeriod
-	switch {
-	case retention == 0:
-		retention = DiscardedJobRetentionDefault
-	case retention < 0:
-		retention = HorizonInfinite
-	}
+	retention := retentionOrDefault(riverConfig.DiscardedJobRetentionPeriod, DiscardedJobRetentionDefault)
+	completed := max(retentionOrDefault(riverConfig.CompletedJobRetentionPeriod, CompletedJobRetentionDefault),
+		retentionOrDefault(riverConfig.CancelledJobRetentionPeriod, CancelledJobRetentionDefault))
 
 	var warnings []TTLWarning
 	for _, info := range infos {
@@ -101,25 +111,38 @@ func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []
 		retries := RetryHorizon(riverConfig.RetryPolicy, maxAttempts)
 		horizon := HorizonInfinite
 		if retention != HorizonInfinite && retries < HorizonInfinite-retention {
-			horizon = retries + retention
+			horizon = max(retries+retention, completed)
 		}
 		if ttl >= horizon {
 			continue
 		}
 		w := TTLWarning{Kind: kind, TTL: ttl, MaxAttempts: maxAttempts, Retries: retries,
-			DiscardedRetention: retention, Horizon: horizon}
+			DiscardedRetention: retention, CompletedRetention: completed, Horizon: horizon}
 		warnings = append(warnings, w)
-		horizonText := "infinite (discarded jobs are kept forever)"
+		horizonText := "infinite (finished jobs are kept forever)"
 		if horizon != HorizonInfinite {
 			horizonText = horizon.Round(time.Minute).String()
 		}
 		m.config.Logger.WarnContext(ctx, "pgidemriver: record TTL is shorter than River's redelivery horizon; "+
-			"a late retry or a hand-retried discarded job would run the effect again",
+			"a late retry or a job retried by hand would run the effect again",
 			slog.String("job_kind", kind), slog.Duration("ttl", ttl), slog.Int("max_attempts", maxAttempts),
 			slog.Duration("retries", retries.Round(time.Minute)),
-			slog.Duration("discarded_retention", retention), slog.String("horizon", horizonText))
+			slog.Duration("discarded_retention", retention), slog.Duration("completed_retention", completed),
+			slog.String("horizon", horizonText))
 	}
 	return warnings
+}
+
+// retentionOrDefault reads a river.Config retention period: 0 means River's default, a
+// negative value (-1) keeps jobs forever.
+func retentionOrDefault(set, def time.Duration) time.Duration {
+	switch {
+	case set < 0:
+		return HorizonInfinite
+	case set == 0:
+		return def
+	}
+	return set
 }
 
 // RetryHorizon returns the longest total time River's retry schedule can spread a job's
@@ -127,7 +150,9 @@ func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []
 // policy nil or a *river.DefaultClientRetryPolicy means River's default schedule, whose
 // delay after the n-th failure is n⁴ seconds with up to 10 % jitter either way (River
 // v0.51, retry_policy.go); the upper bound of the jitter is used. Another policy is asked
-// through NextRetry for a job with n-1 recorded errors, once per attempt. Saturates at
+// through NextRetry for a job with n-1 recorded errors, once per attempt up to
+// [RetryHorizonPolicyCalls] attempts; beyond them each further attempt is counted at the
+// last delay the policy gave (a policy's delays usually grow to a cap). Saturates at
 // [HorizonInfinite].
 func RetryHorizon(policy river.ClientRetryPolicy, maxAttempts int) time.Duration {
 	var total time.Duration
@@ -141,6 +166,8 @@ func RetryHorizon(policy river.ClientRetryPolicy, maxAttempts int) time.Duration
 		}
 	}
 	_, isDefault := policy.(*river.DefaultClientRetryPolicy)
+	var errs []rivertype.AttemptError // grown once, resliced per attempt
+	var last time.Duration
 	for n := 1; n < maxAttempts && total < HorizonInfinite; n++ {
 		if policy == nil || isDefault {
 			seconds := math.Pow(float64(n), 4) * 1.1
@@ -151,10 +178,29 @@ func RetryHorizon(policy river.ClientRetryPolicy, maxAttempts int) time.Duration
 			add(time.Duration(seconds * float64(time.Second)))
 			continue
 		}
+		if n > RetryHorizonPolicyCalls {
+			// Attempts n to maxAttempts-1 at the last delay, saturating.
+			if remaining := time.Duration(maxAttempts - n); last > 0 {
+				if remaining > (HorizonInfinite-total)/last {
+					total = HorizonInfinite
+				} else {
+					total += last * remaining
+				}
+			}
+			break
+		}
+		if n > 1 {
+			errs = append(errs, rivertype.AttemptError{Attempt: n - 1})
+		}
 		now := time.Now()
 		job := &rivertype.JobRow{Attempt: n, AttemptedAt: &now, MaxAttempts: maxAttempts,
-			Errors: make([]rivertype.AttemptError, n-1), State: rivertype.JobStateRunning}
-		add(policy.NextRetry(job).Sub(now))
+			Errors: errs[: n-1 : n-1], State: rivertype.JobStateRunning}
+		last = policy.NextRetry(job).Sub(now)
+		add(last)
 	}
 	return total
 }
+
+// RetryHorizonPolicyCalls is the most attempts [RetryHorizon] asks a custom retry policy
+// about (10 000).
+const RetryHorizonPolicyCalls = 10_000

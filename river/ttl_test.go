@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"log/slog"
+	"math"
 	"testing"
 	"time"
 
@@ -64,6 +65,7 @@ func TestCheckTTL(t *testing.T) {
 	require.Equal(t, pgidemriver.TTLDefault, warnings[0].TTL)
 	require.Equal(t, river.MaxAttemptsDefault, warnings[0].MaxAttempts)
 	require.Equal(t, pgidemriver.DiscardedJobRetentionDefault, warnings[0].DiscardedRetention)
+	require.Equal(t, pgidemriver.CompletedJobRetentionDefault, warnings[0].CompletedRetention)
 	require.Equal(t, warnings[0].Retries+warnings[0].DiscardedRetention, warnings[0].Horizon)
 	require.Equal(t, "report.weekly", warnings[1].Kind)
 	require.Equal(t, 3, warnings[1].MaxAttempts)
@@ -76,6 +78,29 @@ func TestCheckTTL(t *testing.T) {
 	warnings = mw.CheckTTL(ctx, &river.Config{MaxAttempts: 5, DiscardedJobRetentionPeriod: -1})
 	require.Len(t, warnings, 2)
 	require.Equal(t, pgidemriver.HorizonInfinite, warnings[0].Horizon)
+
+	// So can completed and cancelled jobs (River's JobRetry runs a finished job again): a
+	// record must outlive their retention too.
+	warnings = mw.CheckTTL(ctx, &river.Config{MaxAttempts: 5, DiscardedJobRetentionPeriod: 12 * time.Hour,
+		CompletedJobRetentionPeriod: -1})
+	require.Len(t, warnings, 2)
+	require.Equal(t, pgidemriver.HorizonInfinite, warnings[0].Horizon)
+	warnings = mw.CheckTTL(ctx, &river.Config{MaxAttempts: 5, DiscardedJobRetentionPeriod: 12 * time.Hour,
+		CancelledJobRetentionPeriod: 30 * 24 * time.Hour})
+	require.Len(t, warnings, 2)
+	require.Equal(t, 30*24*time.Hour, warnings[0].CompletedRetention)
+	require.Equal(t, 30*24*time.Hour, warnings[0].Horizon)
+}
+
+// A custom retry policy is asked at most RetryHorizonPolicyCalls times; a huge MaxAttempts
+// (the usual way to say "retry forever") is counted at the last delay instead of taking
+// time quadratic in it.
+func TestRetryHorizonHugeMaxAttempts(t *testing.T) {
+	t.Parallel()
+	got := pgidemriver.RetryHorizon(constantPolicy(time.Hour), 1_000_000)
+	require.InDelta(t, float64(999_999), got.Hours(), 1)
+	require.Equal(t, pgidemriver.HorizonInfinite, pgidemriver.RetryHorizon(constantPolicy(time.Hour), math.MaxInt))
+	require.Zero(t, pgidemriver.RetryHorizon(constantPolicy(-time.Second), math.MaxInt), "past retries add nothing")
 }
 
 func TestNewClientChecksTTL(t *testing.T) {

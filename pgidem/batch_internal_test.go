@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -408,12 +409,7 @@ func TestHeartbeatCoversAQueuedCompletion(t *testing.T) {
 func TestReleaseRepeatable(t *testing.T) {
 	c, db := batchFixture(t)
 	ctx := context.Background()
-	cl, err := c.newCall("ns", "k", time.Hour, nil)
-	require.NoError(t, err)
-	owner := newOwner()
-	_, err = db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts, lease_expires_at, expires_at)
-		VALUES ('ns', 'k', 'in_progress', $1, 2, now() + interval '1 minute', now() + interval '1 hour')`, owner)
-	require.NoError(t, err)
+	cl, owner := heldTakenOver(t, c, db, "interval '1 minute'")
 	for range 3 {
 		require.NoError(t, c.finish(ctx, cl, owner, "release", c.sql.release))
 		var attempts int
@@ -434,12 +430,7 @@ func TestReleaseRepeatable(t *testing.T) {
 func TestReleaseAfterLeaseRanOutIsMarked(t *testing.T) {
 	c, db := batchFixture(t)
 	ctx := context.Background()
-	cl, err := c.newCall("ns", "k", time.Hour, nil)
-	require.NoError(t, err)
-	owner := newOwner()
-	_, err = db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts, lease_expires_at, expires_at)
-		VALUES ('ns', 'k', 'in_progress', $1, 2, now() - interval '1 second', now() + interval '1 hour')`, owner)
-	require.NoError(t, err)
+	cl, owner := heldTakenOver(t, c, db, "interval '-1 second'")
 	require.NoError(t, c.finish(ctx, cl, owner, "release", c.sql.release))
 	var marked bool
 	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT lease_expires_at = updated_at FROM pgidem_record
@@ -461,12 +452,7 @@ func TestReleaseRetryAfterServerErrorReportsTakeover(t *testing.T) {
 	defer pool.Close()
 	c, err := NewCoordinator(pool, &Config{MinTTL: 2 * time.Second, Lease: time.Second})
 	require.NoError(t, err)
-	cl, err := c.newCall("ns", "k", time.Hour, nil)
-	require.NoError(t, err)
-	owner := newOwner()
-	_, err = db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts, lease_expires_at, expires_at)
-		VALUES ('ns', 'k', 'in_progress', $1, 2, now() + interval '1 minute', now() + interval '1 hour')`, owner)
-	require.NoError(t, err)
+	cl, owner := heldTakenOver(t, c, db, "interval '1 minute'")
 	taker, err := db.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer taker.Rollback(ctx) //nolint:errcheck
@@ -480,4 +466,19 @@ func TestReleaseRetryAfterServerErrorReportsTakeover(t *testing.T) {
 	}()
 	require.ErrorIs(t, c.finish(ctx, cl, owner, "release", c.sql.release), errFinishNoRow)
 	require.NoError(t, <-committed)
+}
+
+// heldTakenOver stores an in-progress reservation of ns/k with attempts 2 (it took over a
+// dead holder) whose lease ends leaseFromNow (an SQL interval) from now, and returns the
+// call and the owner token that hold it.
+func heldTakenOver(t *testing.T, c *Coordinator, db *testdb.DB, leaseFromNow string) (*call, pgtype.UUID) {
+	t.Helper()
+	cl, err := c.newCall("ns", "k", time.Hour, nil)
+	require.NoError(t, err)
+	owner := newOwner()
+	_, err = db.Pool.Exec(context.Background(), `INSERT INTO pgidem_record
+		(namespace, key, status, owner, attempts, lease_expires_at, expires_at)
+		VALUES ('ns', 'k', 'in_progress', $1, 2, now() + `+leaseFromNow+`, now() + interval '1 hour')`, owner)
+	require.NoError(t, err)
+	return cl, owner
 }

@@ -90,16 +90,7 @@ func benchBaselineFresh(ctx context.Context, b testing.TB, pool *pgxpool.Pool, k
 func BenchmarkDoConcurrent(b *testing.B) {
 	db := testdb.New(b)
 	ctx := context.Background()
-	poolConfig, err := pgxpool.ParseConfig(db.URL)
-	if err != nil {
-		b.Fatal(err)
-	}
-	poolConfig.MaxConns = 20
-	pool, err := pgxpool.NewWithConfig(ctx, poolConfig)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer pool.Close()
+	pool := db.NewPool(b, 20)
 	fn := func(context.Context) (string, error) { return "em_1", nil }
 	variants := []struct {
 		name string

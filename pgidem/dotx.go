@@ -54,24 +54,25 @@ func newDotxStatements(schema string) dotxStatements {
 		// COMMITTED (and READ UNCOMMITTED, which Postgres runs as READ COMMITTED) the old
 		// row is locked, in the mode ON CONFLICT DO UPDATE locks it, and read first
 		// (locked, evaluated before the insert through the count), so the verdict is about
-		// the very version ON CONFLICT then updates, even when another writer commits while the statement waits; a row
-		// deleted meanwhile is just skipped. Under REPEATABLE READ and SERIALIZABLE it is
-		// read from the snapshot (seen), which is what ON CONFLICT acts on there (a newer
-		// version raises a serialization failure), without a lock: locking a row deleted
-		// after the snapshot (an expired record swept) would fail although the upsert treats
-		// it as absent.
+		// the very version ON CONFLICT then updates, even when another writer commits while
+		// the statement waits; a row deleted meanwhile is just skipped. Under REPEATABLE READ and SERIALIZABLE it is
+		// read from the snapshot (old's second branch), which is what ON CONFLICT acts on
+		// there (a newer version raises a serialization failure), without a lock: locking a
+		// row deleted after the snapshot (an expired record swept) would fail although the
+		// upsert treats it as absent.
 		upsert: r.Replace(`
 WITH locked AS (
-	SELECT r.expires_at <= statement_timestamp() AS was_expired, ({released}) AS was_released
+	SELECT r.expires_at, r.status, r.lease_expires_at, r.updated_at
 	FROM {t} AS r WHERE r.namespace = $1 AND r.key = $2
 		AND current_setting('transaction_isolation') NOT IN ('repeatable read', 'serializable')
 	FOR NO KEY UPDATE
-), seen AS (
-	SELECT r.expires_at <= statement_timestamp() AS was_expired, ({released}) AS was_released
-	FROM {t} AS r WHERE r.namespace = $1 AND r.key = $2
-		AND current_setting('transaction_isolation') IN ('repeatable read', 'serializable')
 ), old AS (
-	SELECT * FROM locked UNION ALL SELECT * FROM seen
+	SELECT r.expires_at <= statement_timestamp() AS was_expired, ({released}) AS was_released
+	FROM (SELECT * FROM locked
+		UNION ALL
+		SELECT r.expires_at, r.status, r.lease_expires_at, r.updated_at
+		FROM {t} AS r WHERE r.namespace = $1 AND r.key = $2
+			AND current_setting('transaction_isolation') IN ('repeatable read', 'serializable')) AS r
 )
 INSERT INTO {t} AS r (namespace, key, status, owner, attempts, fingerprint, result, error,
 	lease_expires_at, expires_at, created_at, updated_at, completed_at)

@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
@@ -82,16 +81,7 @@ func benchRiver(b *testing.B, maxWorkers int, cooldown, pollInterval time.Durati
 	}
 	// pgxpool's default (4 connections on this machine) would queue the workers'
 	// statements; both variants get the same larger pool.
-	poolConfig, err := pgxpool.ParseConfig(db.URL)
-	if err != nil {
-		b.Fatal(err)
-	}
-	poolConfig.MaxConns = 20
-	pool, err := pgxpool.NewWithConfig(ctx, poolConfig)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer pool.Close()
+	pool := db.NewPool(b, 20)
 	coord, err := pgidem.NewCoordinator(pool, nil)
 	if err != nil {
 		b.Fatal(err)

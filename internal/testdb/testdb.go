@@ -160,6 +160,24 @@ type DB struct {
 	Pool *pgxpool.Pool
 }
 
+// NewPool returns another pool on db of at most maxConns connections (pgxpool's default,
+// max(4, CPUs), queues concurrent statements in benchmarks), closed at test cleanup before
+// the database is dropped.
+func (db *DB) NewPool(tb testing.TB, maxConns int32) *pgxpool.Pool {
+	tb.Helper()
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		tb.Fatalf("testdb: %v", err)
+	}
+	cfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		tb.Fatalf("testdb: %v", err)
+	}
+	tb.Cleanup(pool.Close)
+	return pool
+}
+
 // New creates a fresh database cloned from the migrated template, and drops it when the
 // test ends. It fails the test when no server can be found.
 func New(tb testing.TB) *DB {

@@ -213,7 +213,15 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 			results[i], failures[i], ttls[i] = textOrNull(q.result), textOrNull(q.failure), micros(q.cl.ttl)
 			byOwner[q.owner] = it
 		}
-		err = c.inRound(ctx, c.sql.completeMany, []any{namespaces, keys, owners, statuses, results, failures, ttls}, func(rows pgx.Rows) error {
+		// Planned for each round (the unnamed statement, pgx's QueryExecModeCacheDescribe,
+		// still one round trip), not from a cached generic plan: the join with the arrays
+		// gets a generic plan after five executions, and a plan made while the table was
+		// small (just migrated, or emptied by sweeps) hashes a sequential scan of the whole
+		// table, which the cache keeps, round after round, as the table grows, until
+		// autovacuum next analyzes it. A plan for the round's own arrays and the table's
+		// current size looks each key up in the primary key.
+		args := []any{pgx.QueryExecModeCacheDescribe, namespaces, keys, owners, statuses, results, failures, ttls}
+		err = c.inRound(ctx, c.sql.completeMany, args, func(rows pgx.Rows) error {
 			var owner pgtype.UUID
 			for rows.Next() {
 				if err := rows.Scan(&owner); err != nil {

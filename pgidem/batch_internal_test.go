@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -481,4 +482,59 @@ func heldTakenOver(t *testing.T, c *Coordinator, db *testdb.DB, leaseFromNow str
 		VALUES ('ns', 'k', 'in_progress', $1, 2, now() + `+leaseFromNow+`, now() + interval '1 hour')`, owner)
 	require.NoError(t, err)
 	return cl, owner
+}
+
+// TestRoundsDoNotScanAGrownTable runs rounds while the table is small — long enough for
+// Postgres to settle on a generic plan for a statement pgx keeps prepared — then lets the
+// table grow without an analyze (as in the first minutes after a migration) and counts the
+// rows the later rounds read by sequential scan. A completion round planned once for the
+// small table hashes a scan of the whole table; each key must be looked up instead. The
+// reserve round looks existing keys up in the primary key (a replay of a completed key,
+// here) and must not scan either.
+func TestRoundsDoNotScanAGrownTable(t *testing.T) {
+	ctx := context.Background()
+	db := testdb.New(t)
+	_, err := db.Pool.Exec(ctx, "ALTER TABLE pgidem_record SET (autovacuum_enabled = false)")
+	require.NoError(t, err)
+	pool := db.NewPool(t, 1) // one connection: one statement cache, one backend
+	c, err := NewCoordinator(pool, nil)
+	require.NoError(t, err)
+
+	round := func(keys ...string) {
+		items := reserveItems(t, c, keys...)
+		c.runReserves(ctx, items)
+		var completes []*batchItem[completeReq, struct{}]
+		for _, it := range items {
+			require.NoError(t, it.err)
+			if it.res.inserted { // a grown key replays its completed record
+				completes = append(completes, &batchItem[completeReq, struct{}]{req: completeReq{cl: it.req.cl, owner: it.req.owner, status: StatusCompleted, result: []byte(`1`)}})
+			}
+		}
+		c.runCompletes(ctx, completes)
+		for _, it := range completes {
+			require.NoError(t, it.err)
+		}
+	}
+	for i := range 8 { // past the five custom plans Postgres makes before a generic one
+		round(fmt.Sprintf("small-%d-a", i), fmt.Sprintf("small-%d-b", i))
+	}
+	const grown = 30000
+	_, err = db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, result, expires_at, completed_at)
+		SELECT 'ns', 'grown-' || g, 'completed', gen_random_uuid(), '1', now() + interval '1 hour', now()
+		FROM generate_series(1, $1::int) g`, grown)
+	require.NoError(t, err)
+	for i := range 3 {
+		round(fmt.Sprintf("late-%d-a", i), fmt.Sprintf("late-%d-b", i), fmt.Sprintf("grown-%d", i+1))
+	}
+
+	// A backend reports its table statistics when it exits; wait for the updates to show.
+	pool.Close()
+	var seqRead, updated int64
+	require.Eventually(t, func() bool {
+		err := db.Pool.QueryRow(ctx, `SELECT coalesce(seq_tup_read, 0), n_tup_upd FROM pg_stat_user_tables
+			WHERE relname = 'pgidem_record'`).Scan(&seqRead, &updated)
+		require.NoError(t, err)
+		return updated >= 8*2+3*2
+	}, 10*time.Second, 20*time.Millisecond, "the closed backend's statistics")
+	require.Less(t, seqRead, int64(grown), "rounds on the grown table read it by sequential scan")
 }

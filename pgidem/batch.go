@@ -213,14 +213,7 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 			results[i], failures[i], ttls[i] = textOrNull(q.result), textOrNull(q.failure), micros(q.cl.ttl)
 			byOwner[q.owner] = it
 		}
-		// Planned for each round (the unnamed statement, pgx's QueryExecModeCacheDescribe,
-		// still one round trip), not from a cached generic plan: the join with the arrays
-		// gets a generic plan after five executions, and a plan made while the table was
-		// small (just migrated, or emptied by sweeps) hashes a sequential scan of the whole
-		// table, which the cache keeps, round after round, as the table grows, until
-		// autovacuum next analyzes it. A plan for the round's own arrays and the table's
-		// current size looks each key up in the primary key.
-		args := []any{pgx.QueryExecModeCacheDescribe, namespaces, keys, owners, statuses, results, failures, ttls}
+		args := append(slices.Clip(c.planEach), namespaces, keys, owners, statuses, results, failures, ttls)
 		err = c.inRound(ctx, c.sql.completeMany, args, func(rows pgx.Rows) error {
 			var owner pgtype.UUID
 			for rows.Next() {
@@ -268,4 +261,28 @@ func (c *Coordinator) inRound(ctx context.Context, sql string, args []any, scan 
 	}
 	rows.Close()
 	return rows.Err()
+}
+
+// planEachExecution returns the query mode argument (or none) under which the array
+// completion is planned for each round rather than from a cached generic plan, on
+// connections made with cc. With pgx's default mode (QueryExecModeCacheStatement) a
+// statement is prepared once per connection, and after five executions Postgres settles on
+// a generic plan. For the completion's join with its arrays, a generic plan made while the
+// table was small (just migrated, or emptied by sweeps) hashes a sequential scan of the
+// whole table, and the cache keeps it, round after round, as the table grows, until
+// autovacuum next analyzes the table. Planned for its own arrays and the table's current
+// size, each key is looked up in the primary key. The modes chosen still send the
+// statement in one round trip: QueryExecModeCacheDescribe (the unnamed statement, binary
+// values) when the pool keeps statement descriptions, else QueryExecModeExec. Every other
+// mode a pool can be set to runs unnamed statements or the simple protocol, which are
+// planned for each execution already, and is left as it is.
+func planEachExecution(cc *pgx.ConnConfig) []any {
+	switch {
+	case cc.DefaultQueryExecMode != pgx.QueryExecModeCacheStatement:
+		return nil
+	case cc.DescriptionCacheCapacity > 0:
+		return []any{pgx.QueryExecModeCacheDescribe}
+	default:
+		return []any{pgx.QueryExecModeExec}
+	}
 }

@@ -490,16 +490,39 @@ func heldTakenOver(t *testing.T, c *Coordinator, db *testdb.DB, leaseFromNow str
 // rows the later rounds read by sequential scan. A completion round planned once for the
 // small table hashes a scan of the whole table; each key must be looked up instead. The
 // reserve round looks existing keys up in the primary key (a replay of a completed key,
-// here) and must not scan either.
+// here) and must not scan either. The pool settings cover each branch of
+// planEachExecution; the rounds must also succeed in each (not fall back to single-key
+// statements).
 func TestRoundsDoNotScanAGrownTable(t *testing.T) {
-	ctx := context.Background()
-	db := testdb.New(t)
-	_, err := db.Pool.Exec(ctx, "ALTER TABLE pgidem_record SET (autovacuum_enabled = false)")
-	require.NoError(t, err)
-	pool := db.NewPool(t, 1) // one connection: one statement cache, one backend
-	c, err := NewCoordinator(pool, nil)
-	require.NoError(t, err)
+	for _, tc := range []struct {
+		name   string
+		config func(*pgx.ConnConfig)
+	}{
+		{"CacheStatement", func(*pgx.ConnConfig) {}},
+		{"NoDescriptionCache", func(cc *pgx.ConnConfig) { cc.DescriptionCacheCapacity = 0 }},
+		{"SimpleProtocol", func(cc *pgx.ConnConfig) { cc.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			db := testdb.New(t)
+			_, err := db.Pool.Exec(ctx, "ALTER TABLE pgidem_record SET (autovacuum_enabled = false)")
+			require.NoError(t, err)
+			cfg, err := pgxpool.ParseConfig(db.URL)
+			require.NoError(t, err)
+			cfg.MaxConns = 1 // one connection: one statement cache, one backend
+			tc.config(cfg.ConnConfig)
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			defer pool.Close()
+			c, err := NewCoordinator(pool, nil)
+			require.NoError(t, err)
+			roundsOnGrowingTable(t, c, db, pool)
+		})
+	}
+}
 
+func roundsOnGrowingTable(t *testing.T, c *Coordinator, db *testdb.DB, pool *pgxpool.Pool) {
+	ctx := context.Background()
 	round := func(keys ...string) {
 		items := reserveItems(t, c, keys...)
 		c.runReserves(ctx, items)
@@ -519,7 +542,7 @@ func TestRoundsDoNotScanAGrownTable(t *testing.T) {
 		round(fmt.Sprintf("small-%d-a", i), fmt.Sprintf("small-%d-b", i))
 	}
 	const grown = 30000
-	_, err = db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, result, expires_at, completed_at)
+	_, err := db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, result, expires_at, completed_at)
 		SELECT 'ns', 'grown-' || g, 'completed', gen_random_uuid(), '1', now() + interval '1 hour', now()
 		FROM generate_series(1, $1::int) g`, grown)
 	require.NoError(t, err)

@@ -209,6 +209,8 @@ type Coordinator struct {
 
 	reserves  *batcher[reserveReq, row]       // reserving inserts (batch.go)
 	completes *batcher[completeReq, struct{}] // completing writes (batch.go)
+
+	planEach []any // query mode arguments that plan a statement for each execution (planEachExecution)
 }
 
 // NewCoordinator returns a coordinator that stores records through pool, which must reach a
@@ -223,7 +225,7 @@ func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	c := &Coordinator{pool: pool, config: cfg, sql: newStatements(cfg.Schema)}
+	c := &Coordinator{pool: pool, config: cfg, sql: newStatements(cfg.Schema), planEach: planEachExecution(pool.Config().ConnConfig)}
 	c.reserves = &batcher[reserveReq, row]{max: cfg.MaxBatch, run: c.runReserves}
 	c.completes = &batcher[completeReq, struct{}]{max: cfg.MaxBatch, run: c.runCompletes}
 	return c, nil

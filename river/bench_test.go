@@ -16,9 +16,11 @@ import (
 	pgidemriver "github.com/pgidem/pgidem/river"
 )
 
-// NoopArgs are a no-op job naming a distinct effect per job.
+// NoopArgs are a job naming a distinct effect per job; it does nothing (or sleeps for
+// Sleep, standing in for a call to another service).
 type NoopArgs struct {
-	N int `json:"n"`
+	N     int           `json:"n"`
+	Sleep time.Duration `json:"sleep,omitempty"`
 }
 
 func (NoopArgs) Kind() string { return "bench.noop" }
@@ -29,13 +31,22 @@ type noopWorker struct {
 	river.WorkerDefaults[NoopArgs]
 }
 
-func (*noopWorker) Work(context.Context, *river.Job[NoopArgs]) error { return nil }
+func (*noopWorker) Work(ctx context.Context, job *river.Job[NoopArgs]) error {
+	if job.Args.Sleep > 0 {
+		select {
+		case <-time.After(job.Args.Sleep):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
+}
 
-// BenchmarkRiverThroughput works b.N no-op jobs through a River client, without and with
-// the middleware (every job a fresh key: reserve + complete), and reports jobs/s. The jobs
-// are inserted before the timer starts; the timer covers the client working all of them.
-// Four queue set-ups, from River's defaults to a client fetching as fast as River allows
-// (docs/performance.md has a table of them):
+// BenchmarkRiverThroughput works b.N jobs through a River client, without and with the
+// middleware (every job a fresh key: reserve + complete), and reports jobs/s. The jobs are
+// inserted before the timer starts; the timer covers the client working all of them. Four
+// set-ups of a no-op job, from River's defaults to a client fetching as fast as River
+// allows, and one of a job that waits (docs/performance.md has a table of them):
 //
 //   - RiverDefaults: 100 workers, River's default fetch cooldown (100 ms) and poll
 //     interval (1 s). River fetches at most one full set of workers per cooldown, so both
@@ -47,6 +58,9 @@ func (*noopWorker) Work(context.Context, *river.Job[NoopArgs]) error { return ni
 //   - Saturated: 200 workers, River's shortest fetch cooldown (1 ms) and a 5 ms poll: the
 //     machine's CPU is the limit, so the ratio is the cost of the middleware's work
 //     itself (two committed row writes per job beside River's own).
+//   - Call50ms: the Busy queue, but each job waits 50 ms, like a job calling another
+//     service: the workers are the limit, and the middleware's latency per job counts
+//     against the job's own.
 //
 // The command docs/performance.md reports:
 //
@@ -56,11 +70,13 @@ func BenchmarkRiverThroughput(b *testing.B) {
 		name              string
 		workers           int
 		cooldown, pollInt time.Duration // zero: River's defaults
+		sleep             time.Duration // how long each job waits
 	}{
-		{"RiverDefaults", 100, 0, 0},
-		{"Tuned", 50, 10 * time.Millisecond, 10 * time.Millisecond},
-		{"Busy", 100, 10 * time.Millisecond, 10 * time.Millisecond},
-		{"Saturated", 200, river.FetchCooldownMin, 5 * time.Millisecond},
+		{"RiverDefaults", 100, 0, 0, 0},
+		{"Tuned", 50, 10 * time.Millisecond, 10 * time.Millisecond, 0},
+		{"Busy", 100, 10 * time.Millisecond, 10 * time.Millisecond, 0},
+		{"Saturated", 200, river.FetchCooldownMin, 5 * time.Millisecond, 0},
+		{"Call50ms", 100, 10 * time.Millisecond, 10 * time.Millisecond, 50 * time.Millisecond},
 	}
 	for _, cfg := range configs {
 		for _, withMiddleware := range []bool{false, true} {
@@ -68,12 +84,12 @@ func BenchmarkRiverThroughput(b *testing.B) {
 			if withMiddleware {
 				name = cfg.name + "/Middleware"
 			}
-			b.Run(name, func(b *testing.B) { benchRiver(b, cfg.workers, cfg.cooldown, cfg.pollInt, withMiddleware) })
+			b.Run(name, func(b *testing.B) { benchRiver(b, cfg.workers, cfg.cooldown, cfg.pollInt, cfg.sleep, withMiddleware) })
 		}
 	}
 }
 
-func benchRiver(b *testing.B, maxWorkers int, cooldown, pollInterval time.Duration, withMiddleware bool) {
+func benchRiver(b *testing.B, maxWorkers int, cooldown, pollInterval, sleep time.Duration, withMiddleware bool) {
 	ctx := context.Background()
 	db := testdb.New(b)
 	if _, err := pgidemriver.MigrateRiver(ctx, db.Pool, nil); err != nil {
@@ -112,7 +128,7 @@ func benchRiver(b *testing.B, maxWorkers int, cooldown, pollInterval time.Durati
 	}
 	params := make([]river.InsertManyParams, b.N)
 	for i := range params {
-		params[i] = river.InsertManyParams{Args: NoopArgs{N: i}}
+		params[i] = river.InsertManyParams{Args: NoopArgs{N: i, Sleep: sleep}}
 	}
 	for start := 0; start < len(params); start += 1000 {
 		if _, err := client.InsertManyFast(ctx, params[start:min(start+1000, len(params))]); err != nil {

@@ -271,18 +271,14 @@ func (c *Coordinator) inRound(ctx context.Context, sql string, args []any, scan 
 // table was small (just migrated, or emptied by sweeps) hashes a sequential scan of the
 // whole table, and the cache keeps it, round after round, as the table grows, until
 // autovacuum next analyzes the table. Planned for its own arrays and the table's current
-// size, each key is looked up in the primary key. The modes chosen still send the
-// statement in one round trip: QueryExecModeCacheDescribe (the unnamed statement, binary
-// values) when the pool keeps statement descriptions, else QueryExecModeExec. Every other
-// mode a pool can be set to runs unnamed statements or the simple protocol, which are
-// planned for each execution already, and is left as it is.
+// size, each key is looked up in the primary key. The mode chosen, QueryExecModeExec (the
+// unnamed statement, text values), still sends the statement in one round trip and needs
+// no per-connection cache, so a pool whose BeforeConnect changes the connections' settings
+// cannot turn it off. Every other mode a pool can be set to runs unnamed statements or the
+// simple protocol, which are planned for each execution already, and is left as it is.
 func planEachExecution(cc *pgx.ConnConfig) []any {
-	switch {
-	case cc.DefaultQueryExecMode != pgx.QueryExecModeCacheStatement:
+	if cc.DefaultQueryExecMode != pgx.QueryExecModeCacheStatement {
 		return nil
-	case cc.DescriptionCacheCapacity > 0:
-		return []any{pgx.QueryExecModeCacheDescribe}
-	default:
-		return []any{pgx.QueryExecModeExec}
 	}
+	return []any{pgx.QueryExecModeExec}
 }

@@ -490,17 +490,22 @@ func heldTakenOver(t *testing.T, c *Coordinator, db *testdb.DB, leaseFromNow str
 // rows the later rounds read by sequential scan. A completion round planned once for the
 // small table hashes a scan of the whole table; each key must be looked up instead. The
 // reserve round looks existing keys up in the primary key (a replay of a completed key,
-// here) and must not scan either. The pool settings cover each branch of
-// planEachExecution; the rounds must also succeed in each (not fall back to single-key
-// statements).
+// here) and must not scan either. The rounds must also succeed under each pool setting
+// (not fall back to single-key statements). TestPlanEachExecution covers the choice of
+// mode.
 func TestRoundsDoNotScanAGrownTable(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
-		config func(*pgx.ConnConfig)
+		config func(*pgxpool.Config)
 	}{
-		{"CacheStatement", func(*pgx.ConnConfig) {}},
-		{"NoDescriptionCache", func(cc *pgx.ConnConfig) { cc.DescriptionCacheCapacity = 0 }},
-		{"SimpleProtocol", func(cc *pgx.ConnConfig) { cc.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol }},
+		{"CacheStatement", func(*pgxpool.Config) {}},
+		{"NoDescriptionCacheFromBeforeConnect", func(cfg *pgxpool.Config) {
+			cfg.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
+				cc.DescriptionCacheCapacity = 0
+				return nil
+			}
+		}},
+		{"SimpleProtocol", func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
@@ -510,7 +515,7 @@ func TestRoundsDoNotScanAGrownTable(t *testing.T) {
 			cfg, err := pgxpool.ParseConfig(db.URL)
 			require.NoError(t, err)
 			cfg.MaxConns = 1 // one connection: one statement cache, one backend
-			tc.config(cfg.ConnConfig)
+			tc.config(cfg)
 			pool, err := pgxpool.NewWithConfig(ctx, cfg)
 			require.NoError(t, err)
 			defer pool.Close()
@@ -556,8 +561,25 @@ func roundsOnGrowingTable(t *testing.T, c *Coordinator, db *testdb.DB, pool *pgx
 	require.Eventually(t, func() bool {
 		err := db.Pool.QueryRow(ctx, `SELECT coalesce(seq_tup_read, 0), n_tup_upd FROM pg_stat_user_tables
 			WHERE relname = 'pgidem_record'`).Scan(&seqRead, &updated)
-		require.NoError(t, err)
-		return updated >= 8*2+3*2
+		return err == nil && updated >= 8*2+3*2
 	}, 10*time.Second, 20*time.Millisecond, "the closed backend's statistics")
 	require.Less(t, seqRead, int64(grown), "rounds on the grown table read it by sequential scan")
+}
+
+// TestPlanEachExecution: only pgx's default mode, which prepares named statements and so
+// reaches generic plans, gets a mode planned per execution; a pool set to another mode
+// (a proxy may need the simple protocol) keeps its own.
+func TestPlanEachExecution(t *testing.T) {
+	for mode, want := range map[pgx.QueryExecMode][]any{
+		pgx.QueryExecModeCacheStatement: {pgx.QueryExecModeExec},
+		pgx.QueryExecModeCacheDescribe:  nil,
+		pgx.QueryExecModeDescribeExec:   nil,
+		pgx.QueryExecModeExec:           nil,
+		pgx.QueryExecModeSimpleProtocol: nil,
+	} {
+		cc, err := pgx.ParseConfig("postgres://localhost/db")
+		require.NoError(t, err)
+		cc.DefaultQueryExecMode = mode
+		require.Equal(t, want, planEachExecution(cc), "pool mode %s", mode)
+	}
 }

@@ -68,7 +68,7 @@
 // caught unique violation). A handler that writes rows and also sends mail uses both: the
 // inbox (or DoTx) for the rows, [Do] for the mail, keyed by the effect.
 //
-// # Concurrency
+// # Shared statements (batching)
 //
 // A [Coordinator] is safe for concurrent use and holds no connection between statements.
 // Concurrent calls that reach the reserving insert or the completing update while the

@@ -1,4 +1,5 @@
--- pgidem: one row per (namespace, idempotency key). See DESIGN.md "Data model".
+-- pgidem: one row per (namespace, idempotency key). See the package docs of
+-- github.com/pgidem/pgidem/pgidem and docs/inspect.md.
 -- Plain SQL on purpose: it runs unchanged under the goose CLI and can be vendored into
 -- other migration tools. Objects are created in the first schema of the search_path.
 

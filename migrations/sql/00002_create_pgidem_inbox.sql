@@ -1,8 +1,9 @@
--- pgidem: one row per (consumer, message id) a consumer has handled. See DESIGN.md
--- "Database effects: DoTx and the inbox". The handler's transaction inserts the row with
--- ON CONFLICT DO NOTHING and commits it together with the handler's own rows, so a
--- redelivered message finds the row and is skipped. Plain SQL on purpose: it runs unchanged
--- under the goose CLI. Objects are created in the first schema of the search_path.
+-- pgidem: one row per (consumer, message id) a consumer has handled. See the package docs
+-- of github.com/pgidem/pgidem/pgidem, "Database effects: DoTx and the inbox". The
+-- handler's transaction inserts the row with ON CONFLICT DO NOTHING and commits it
+-- together with the handler's own rows, so a redelivered message finds the row and is
+-- skipped. Plain SQL on purpose: it runs unchanged under the goose CLI. Objects are
+-- created in the first schema of the search_path.
 
 -- +goose Up
 CREATE TABLE pgidem_inbox (

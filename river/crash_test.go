@@ -55,7 +55,7 @@ func crashChild() bool {
 	}
 	workers := river.NewWorkers()
 	pgidemriver.AddWorker(workers, mw, &effectWorker[InvoiceArgs]{pool: pool})
-	river.AddWorker(workers, &shipWorker{coord: coord, inTx: func() {
+	river.AddWorker(workers, &shipWorker{coord: coord, inTx: func(context.Context, int64) {
 		fmt.Println("in tx")
 		select {} // the parent kills us mid-transaction
 	}})

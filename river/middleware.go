@@ -67,10 +67,10 @@ type NamespaceArgs interface {
 	IdempotencyNamespace() string
 }
 
-// TTLArgs may be implemented by job args to override [Config.TTL] for their kind. It is
-// called once, on the zero value of the args type, when the type is registered
-// ([AddWorker], [Middleware.Register]), so it must not depend on field values. A result of
-// 0 or less means [Config.TTL].
+// TTLArgs may be implemented by job args (with a value or a pointer receiver) to override
+// [Config.TTL] for their kind. It is called once, when the type is registered, on the
+// value given to [Middleware.Register] ([AddWorker] gives the zero value), so it must not
+// depend on field values. A result of 0 or less means [Config.TTL].
 type TTLArgs interface {
 	IdempotencyTTL() time.Duration
 }
@@ -391,19 +391,36 @@ func (m *Middleware) Register(args ...river.JobArgs) {
 	for _, a := range args {
 		typ := reflect.TypeOf(a)
 		info := &kindInfo{args: a, kind: a.Kind(), typ: typ, source: typ.String()}
-		keyType := reflect.TypeFor[KeyArgs]()
-		info.keyed = typ.Implements(keyType) || reflect.PointerTo(typ).Implements(keyType)
-		if t, ok := a.(TTLArgs); ok {
+		_, info.keyed = implementation[KeyArgs](a)
+		if t, ok := implementation[TTLArgs](a); ok {
 			info.ttl = max(t.IdempotencyTTL(), 0)
 		}
 		kinds := []string{a.Kind()}
-		if aliased, ok := a.(river.JobArgsWithKindAliases); ok {
+		if aliased, ok := a.(river.JobArgsWithKindAliases); ok { // by value, as River's AddWorker
 			kinds = append(kinds, aliased.KindAliases()...)
+		}
+		for kind, old := range m.kinds { // the earlier type's aliases go with it
+			if old.kind == info.kind {
+				delete(m.kinds, kind)
+			}
 		}
 		for _, kind := range kinds {
 			m.kinds[kind] = info
 		}
 	}
+}
+
+// implementation returns args as an I, one of this package's interfaces (KeyArgs,
+// TTLArgs): the value itself or, for methods with pointer receivers, a pointer to a copy of
+// it (the middleware decodes args into a pointer, so both kinds of receiver work).
+func implementation[I any](args river.JobArgs) (I, bool) {
+	if v, ok := args.(I); ok {
+		return v, true
+	}
+	ptr := reflect.New(reflect.TypeOf(args))
+	ptr.Elem().Set(reflect.ValueOf(args))
+	v, ok := ptr.Interface().(I)
+	return v, ok
 }
 
 func (m *Middleware) kind(kind string) *kindInfo {

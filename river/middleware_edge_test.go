@@ -513,3 +513,58 @@ func TestJobCancelWrappingPermanent(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, pgidem.StatusFailed, rec.Status)
 }
+
+// PtrTTLArgs implement TTLArgs (and KeyArgs) with pointer receivers.
+type PtrTTLArgs struct {
+	OrderID int64 `json:"order_id"`
+}
+
+func (PtrTTLArgs) Kind() string                   { return "mail.ptr_ttl" }
+func (a *PtrTTLArgs) IdempotencyKey() string      { return fmt.Sprintf("order-%d.ptr", a.OrderID) }
+func (*PtrTTLArgs) IdempotencyTTL() time.Duration { return 60 * 24 * time.Hour }
+
+// A TTLArgs method with a pointer receiver sets the record's TTL, as one with a value
+// receiver does (the key method works either way, so the TTL method must too).
+func TestTTLArgsPointerReceiver(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, _ := b.newMiddleware(t, nil)
+	mw.Register(PtrTTLArgs{})
+	require.NoError(t, mw.Work(b.ctx, jobRow(1, "mail.ptr_ttl", `{"order_id":5}`), func(context.Context) error { return nil }))
+	var ttl time.Duration
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT expires_at - completed_at FROM pgidem_record
+		WHERE namespace = 'mail.ptr_ttl' AND key = 'order-5.ptr'`).Scan(&ttl))
+	require.Equal(t, 60*24*time.Hour, ttl)
+}
+
+// RenamedAgainArgs replace AliasedInvoiceArgs' type for kind mail.invoice_v2 with one that
+// no longer answers to the old alias and names its effect differently.
+type RenamedAgainArgs struct {
+	OrderID int64 `json:"order_id"`
+}
+
+func (RenamedAgainArgs) Kind() string { return "mail.invoice_v2" }
+func (a RenamedAgainArgs) IdempotencyKey() string {
+	return fmt.Sprintf("order-%d.invoice-again", a.OrderID)
+}
+
+// Registering a kind again replaces the earlier type with its aliases: a job of the old
+// alias is no longer decoded as the old type, and CheckTTL reports the kind once.
+func TestRegisterAgainDropsOldAliases(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.newMiddleware(t, &pgidemriver.Config{TTL: time.Hour})
+	mw.Register(AliasedInvoiceArgs{})
+	mw.Register(RenamedAgainArgs{})
+	require.NoError(t, mw.Work(b.ctx, jobRow(1, "mail.invoice_v1", `{"order_id":9}`), func(context.Context) error { return nil }))
+	out := outs.list()[0]
+	require.Equal(t, pgidemriver.KeySourceJobID, out.KeySource, "the old alias is no longer a registered kind")
+	require.Equal(t, "mail.invoice_v1", out.Namespace)
+
+	warnings := mw.CheckTTL(b.ctx, nil)
+	var kinds []string
+	for _, w := range warnings {
+		kinds = append(kinds, w.Kind)
+	}
+	require.Equal(t, []string{"mail.invoice_v2"}, kinds)
+}

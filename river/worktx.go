@@ -9,9 +9,14 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivertype"
 
 	"github.com/pgidem/pgidem/pgidem"
 )
+
+// ErrJobNotRunning is matched (errors.Is) by the error of [WorkTx] and [WorkTxResult] when
+// the job was no longer running at completion, so its transaction was rolled back.
+var ErrJobNotRunning = errors.New("pgidemriver: job is no longer running")
 
 // WorkTx makes a job's database effect exactly-once: in one transaction on the
 // coordinator's pool it runs fn under (namespace, key) with [pgidem.DoTxResult] — fn's
@@ -49,6 +54,11 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 //   - a [pgidem.Permanent] error from fn: the failure is stored and committed (fn's writes
 //     are undone) and river.JobCancel wrapping it is returned, so River stops; later jobs
 //     with the key replay the failure and are cancelled too.
+//   - the job is no longer running when WorkTx completes it (River's rescuer made it
+//     retryable or discarded it meanwhile, or it was cancelled; river.JobCompleteTx then
+//     changes nothing): an error matching [ErrJobNotRunning], so the effect is not
+//     committed without the completion; wherever River runs the job next, the effect runs
+//     there.
 //   - a database error: a [*pgidem.StoreError]; a failed begin, job completion or commit:
 //     an error prefixed "pgidemriver: ". River retries.
 //
@@ -90,8 +100,16 @@ func WorkTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coo
 		return res, err
 	}
 
-	if _, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job); err != nil {
+	completed, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job)
+	if err != nil {
 		return res, fmt.Errorf("pgidemriver: WorkTx: complete job %d: %w", job.ID, err)
+	}
+	if completed.State != rivertype.JobStateCompleted {
+		// River leaves a job that is no longer running as it is and returns it without an
+		// error: the rescuer made it retryable or discarded it meanwhile, or it was
+		// cancelled. Committing would keep the effect without the completion.
+		return res, fmt.Errorf("pgidemriver: WorkTx: job %d is %s, no longer running; rolled back: %w",
+			job.ID, completed.State, ErrJobNotRunning)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return res, fmt.Errorf("pgidemriver: WorkTx: commit: %w", err)

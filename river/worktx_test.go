@@ -29,7 +29,8 @@ func (ShipArgs) Kind() string { return "order.ship" }
 type shipWorker struct {
 	river.WorkerDefaults[ShipArgs]
 	coord *pgidem.Coordinator
-	inTx  func() // nil: none; called inside the transaction after the shipment row
+	inTx  func(ctx context.Context, jobID int64) // nil: none; called inside the transaction after the shipment row
+	errs  chan error                             // nil: none; receives each WorkTx error
 }
 
 func (w *shipWorker) Work(ctx context.Context, job *river.Job[ShipArgs]) error {
@@ -38,10 +39,13 @@ func (w *shipWorker) Work(ctx context.Context, job *river.Job[ShipArgs]) error {
 			var id int64
 			err := tx.QueryRow(ctx, "INSERT INTO shipments (order_id, job_id) VALUES ($1, $2) RETURNING id", job.Args.OrderID, job.ID).Scan(&id)
 			if err == nil && w.inTx != nil {
-				w.inTx()
+				w.inTx(ctx, job.ID)
 			}
 			return id, err
 		})
+	if w.errs != nil {
+		w.errs <- err
+	}
 	return err
 }
 
@@ -78,6 +82,34 @@ func TestWorkTx(t *testing.T) {
 		require.Equal(t, 1, shipments, "one shipment for two jobs")
 		require.True(t, record)
 		require.Equal(t, rivertype.JobStateCompleted, state)
+	})
+
+	// River's rescuer discards (or makes retryable) a job that still runs; WorkTx must not
+	// commit the effect without the completion River then refuses.
+	t.Run("JobNoLongerRunning", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		_, err := b.db.Pool.Exec(b.ctx, shipmentsSchema)
+		require.NoError(t, err)
+		errs := make(chan error, 1)
+		workers := river.NewWorkers()
+		river.AddWorker(workers, &shipWorker{coord: b.coord, errs: errs, inTx: func(ctx context.Context, jobID int64) {
+			_, err := b.db.Pool.Exec(ctx, "UPDATE river_job SET state = 'discarded', finalized_at = now() WHERE id = $1", jobID)
+			require.NoError(t, err)
+		}})
+		b.startClient(t, riverConfig(t, workers))
+
+		id := b.insert(t, ShipArgs{OrderID: 9}, nil)
+		select {
+		case err := <-errs:
+			require.ErrorIs(t, err, pgidemriver.ErrJobNotRunning)
+		case <-time.After(30 * time.Second):
+			t.Fatal("the job did not run")
+		}
+		shipments, record, state := b.shipState(t, id)
+		require.Zero(t, shipments, "the shipment rolled back")
+		require.False(t, record, "no record")
+		require.Equal(t, rivertype.JobStateDiscarded, state)
 	})
 
 	t.Run("CrashMidTransaction", func(t *testing.T) {

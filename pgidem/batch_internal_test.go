@@ -225,7 +225,7 @@ func TestRoundReservesManyKeys(t *testing.T) {
 	require.Equal(t, StatusInProgress, rec.Status)
 	require.Nil(t, rec.Fingerprint)
 	require.WithinDuration(t, rec.CreatedAt.Add(time.Second), rec.LeaseExpiresAt, 100*time.Millisecond, "lease from the call")
-	require.WithinDuration(t, rec.CreatedAt.Add(time.Hour), rec.ExpiresAt, 100*time.Millisecond, "TTL from the call")
+	require.WithinDuration(t, rec.CreatedAt.Add(time.Second+time.Hour), rec.ExpiresAt, 100*time.Millisecond, "a TTL after the call's lease")
 }
 
 func TestRoundCompletesManyKeys(t *testing.T) {
@@ -582,4 +582,38 @@ func TestPlanEachExecution(t *testing.T) {
 		cc.DefaultQueryExecMode = mode
 		require.Equal(t, want, planEachExecution(cc), "pool mode %s", mode)
 	}
+}
+
+// TestReservationExpiresATTLAfterItsLease: every statement that writes an in-progress
+// record (the reserving insert alone and in a round, the takeover) sets its expiry a TTL
+// after its lease, as the heartbeat does, so a holder that dies before its first heartbeat
+// is taken over (attempts + 1, TookOver) before its record can count as expired.
+func TestReservationExpiresATTLAfterItsLease(t *testing.T) {
+	c, db := batchFixture(t) // lease 1 s
+	ctx := context.Background()
+	check := func(name string, r row) {
+		t.Helper()
+		require.True(t, r.leaseExpires.Valid, name)
+		require.Equal(t, time.Hour, r.expiresAt.Sub(r.leaseExpires.Time), name)
+	}
+
+	cl, err := c.newCall("ns", "single", time.Hour, nil)
+	require.NoError(t, err)
+	r, err := c.reserveOne(ctx, c.sql.reserve, cl, newOwner())
+	require.NoError(t, err)
+	check("reserve", r)
+
+	items := reserveItems(t, c, "round-a", "round-b")
+	c.runReserves(ctx, items)
+	for _, it := range items {
+		require.NoError(t, it.err)
+		check("reserve round", it.res)
+	}
+
+	_, err = db.Pool.Exec(ctx, `UPDATE pgidem_record SET lease_expires_at = now() - interval '1 second' WHERE key = 'single'`)
+	require.NoError(t, err)
+	r, err = c.reserveOne(ctx, c.sql.takeover, cl, newOwner())
+	require.NoError(t, err)
+	require.True(t, r.tookOver)
+	check("takeover", r)
 }

@@ -135,13 +135,15 @@ func newStatements(schema string) statements {
 	// CONFLICT DO NOTHING takes no lock and assigns no transaction id when the row exists,
 	// so replays and in-progress checks stay pure reads. When the conflicting row
 	// committed after this statement's snapshot, neither branch returns a row and the
-	// caller runs it again.
+	// caller runs it again. The reservation expires a TTL after its lease, as the
+	// heartbeat keeps it: a holder that dies before its first heartbeat is taken over
+	// (attempts + 1) before its record can count as expired.
 	reserve := r.Replace(`
 WITH ins AS (
 	INSERT INTO {t} (namespace, key, status, owner, attempts, fingerprint,
 		lease_expires_at, expires_at)
 	SELECT $1, $2, 'in_progress', $3::uuid, 1, $4::bytea,
-		now() + $5 * interval '1 microsecond', now() + $6 * interval '1 microsecond' {from}
+		now() + $5 * interval '1 microsecond', now() + ($5 + $6) * interval '1 microsecond' {from}
 	ON CONFLICT (namespace, key) DO NOTHING
 	RETURNING true AS inserted, {cols}
 )
@@ -184,7 +186,7 @@ WITH input AS (
 	INSERT INTO {t} (namespace, key, status, owner, attempts, fingerprint,
 		lease_expires_at, expires_at)
 	SELECT namespace, key, 'in_progress', owner, 1, fingerprint,
-		now() + lease_us * interval '1 microsecond', now() + ttl_us * interval '1 microsecond'
+		now() + lease_us * interval '1 microsecond', now() + (lease_us + ttl_us) * interval '1 microsecond'
 	FROM input ORDER BY namespace, key
 	ON CONFLICT (namespace, key) DO NOTHING
 	RETURNING true AS inserted, {cols}
@@ -223,7 +225,7 @@ UPDATE {t} SET
 	error = NULL,
 	completed_at = NULL,
 	lease_expires_at = now() + $5 * interval '1 microsecond',
-	expires_at = now() + $6 * interval '1 microsecond',
+	expires_at = now() + ($5 + $6) * interval '1 microsecond',
 	updated_at = now()
 FROM old
 WHERE namespace = $1 AND key = $2

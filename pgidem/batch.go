@@ -169,10 +169,11 @@ func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserv
 		})
 	}
 	if err != nil {
-		// The server refused the round (it rolled back, so running alone is safe), or the
-		// connection failed: then the outcome is unknown, as for a single statement.
+		// The server refused the round with an ERROR (it rolled back, so running alone is
+		// safe), or the outcome is unknown (the connection failed, the session ended):
+		// reserveWrite then looks for its own reservation before it writes again.
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) {
+		if errors.As(err, &pgErr) && !mayHaveApplied(err) {
 			err = errBatchFallback
 		}
 		for _, it := range items {
@@ -190,8 +191,8 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 	var err error
 	if len(items) == 1 {
 		it, q := items[0], items[0].req
-		err = c.inRound(ctx, c.sql.completeRound, []any{q.cl.namespace, q.cl.key, q.owner, q.status, q.result,
-			q.failure, micros(q.cl.ttl)}, func(rows pgx.Rows) error {
+		err = c.inRound(ctx, c.sql.completeRound, []any{q.cl.namespace, q.cl.key, q.owner, q.status, jsonText(q.result),
+			jsonText(q.failure), micros(q.cl.ttl)}, func(rows pgx.Rows) error {
 			rows.Close()
 			if rows.CommandTag().RowsAffected() == 0 {
 				it.err = errFinishNoRow
@@ -210,7 +211,7 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 		for i, it := range items {
 			q := it.req
 			namespaces[i], keys[i], owners[i], statuses[i] = q.cl.namespace, q.cl.key, q.owner, string(q.status)
-			results[i], failures[i], ttls[i] = textOrNull(q.result), textOrNull(q.failure), micros(q.cl.ttl)
+			results[i], failures[i], ttls[i] = jsonText(q.result), jsonText(q.failure), micros(q.cl.ttl)
 			byOwner[q.owner] = it
 		}
 		args := append(slices.Clip(c.planEach), namespaces, keys, owners, statuses, results, failures, ttls)
@@ -238,14 +239,6 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 			it.err = errBatchFallback
 		}
 	}
-}
-
-func textOrNull(b []byte) *string {
-	if b == nil {
-		return nil
-	}
-	s := string(b)
-	return &s
 }
 
 // inRound runs one of the round statements (which carry roundGuard) and hands its rows to

@@ -362,9 +362,9 @@ func TestCompletionIsSafeToRepeat(t *testing.T) {
 	c.runCompletes(ctx, cs) // a round of one
 	require.NoError(t, cs[0].err)
 	require.NoError(t, c.finish(ctx, items[0].req.cl, items[0].req.owner, "complete", c.sql.complete,
-		StatusCompleted, []byte(`"v"`), nil, micros(time.Hour)), "the single-key write too")
+		StatusCompleted, jsonText([]byte(`"v"`)), nil, micros(time.Hour)), "the single-key write too")
 	require.ErrorIs(t, c.finish(ctx, items[0].req.cl, newOwner(), "complete", c.sql.complete,
-		StatusCompleted, []byte(`"v"`), nil, micros(time.Hour)), errFinishNoRow, "another owner still matches nothing")
+		StatusCompleted, jsonText([]byte(`"v"`)), nil, micros(time.Hour)), errFinishNoRow, "another owner still matches nothing")
 }
 
 // The heartbeat renews the lease while the finishing write waits for its round, so a slow

@@ -301,6 +301,9 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			if err != nil {
 				return acq, c.logStoreError(ctx, cl, storeError("takeover", err))
 			}
+			if t.recovered { // the takeover's reply was lost: judge by the read before it
+				t.tookOver = !r.expired && !r.released
+			}
 			acq.held, acq.row = true, t
 			if t.tookOver {
 				acq.tookOver = true
@@ -392,21 +395,68 @@ func (w *waiter) inProgress(ctx context.Context, r *row) error {
 // inserts of concurrent calls share a statement (batch.go).
 //
 // refused reports that a shared round reached the server and was refused before the call
-// ran its own statement: the store answered, so failing open is no longer allowed even if
-// that statement then cannot connect.
+// ran its own statement, or that a write may have committed with its reply lost: the store
+// answered (or may hold this call's reservation), so failing open is no longer allowed even
+// if a later statement cannot connect.
+//
+// A write whose reply was lost after it may have committed (mayHaveApplied) is not
+// abandoned: the row then carries this call's owner token, which no other call has. The
+// call reads the row and, finding its token in progress, holds the reservation it made
+// (recovered); otherwise it runs its statement again, once.
 func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r row, refused bool, err error) {
 	owner := newOwner()
+	unknown := false // an earlier attempt with owner may have committed
 	if sql == c.sql.reserve && c.config.MaxBatch > 1 {
 		r, err := c.reserves.do(ctx, reserveReq{cl: cl, owner: owner})
-		if err != errBatchFallback {
+		switch {
+		case err == errBatchFallback:
+			refused = true
+		case replyLost(err):
+			unknown, refused = true, true
+		default:
 			return r, false, err
 		}
-		refused = true
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
-	r, err = c.reserveOne(ctx, sql, cl, owner)
-	return r, refused, err
+	for attempt := 0; ; attempt++ {
+		if unknown {
+			if mine, ok, err := c.ownReservation(ctx, cl, owner); err != nil || ok {
+				return mine, refused, err
+			}
+		}
+		r, err = c.reserveOne(ctx, sql, cl, owner)
+		if attempt > 0 || !replyLost(err) {
+			return r, refused, err
+		}
+		unknown, refused = true, true
+	}
+}
+
+// replyLost reports whether a reserving write failed with err after it may have
+// committed: not pgx.ErrNoRows (an answer: nothing reserved) and not an error that proves
+// nothing was applied.
+func replyLost(err error) bool {
+	return err != nil && !errors.Is(err, pgx.ErrNoRows) && mayHaveApplied(err)
+}
+
+// ownReservation reads cl's record and reports whether it is in progress under owner: a
+// reserving write of this call committed although its reply was lost. The row comes back
+// as the write would have returned it (inserted; for a takeover, acquire decides
+// tookOver from its own read).
+func (c *Coordinator) ownReservation(ctx context.Context, cl *call, owner pgtype.UUID) (row, bool, error) {
+	var r row
+	err := c.pool.QueryRow(ctx, c.sql.lookup, cl.namespace, cl.key).Scan(r.scanTargets(false)...)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return row{}, false, nil
+	case err != nil:
+		return row{}, false, err
+	case r.status != StatusInProgress || r.owner != owner:
+		return row{}, false, nil
+	}
+	r.inserted, r.recovered = true, true
+	return r, true, nil
 }
 
 // reserveOne runs a single-key reserving statement with owner as the token.
@@ -646,7 +696,7 @@ func (c *Coordinator) complete(ctx context.Context, cl *call, owner pgtype.UUID,
 		_, err = c.completes.do(ctx, completeReq{cl: cl, owner: owner, status: status, result: result, failure: failure})
 	}
 	if err == errBatchFallback {
-		err = c.finish(ctx, cl, owner, "complete", c.sql.complete, status, result, failure, micros(cl.ttl))
+		err = c.finish(ctx, cl, owner, "complete", c.sql.complete, status, jsonText(result), jsonText(failure), micros(cl.ttl))
 	}
 	return err
 }
@@ -679,11 +729,7 @@ func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, o
 			}
 			return nil
 		}
-		// Nothing was applied when the connection could not be made, when pgconn says
-		// nothing was sent, or when the server answered with an error (the statement,
-		// its own transaction, rolled back).
-		var pgErr *pgconn.PgError
-		maybeApplied = maybeApplied || !(isConnectError(err) || pgconn.SafeToRetry(err) || errors.As(err, &pgErr))
+		maybeApplied = maybeApplied || mayHaveApplied(err)
 		if isValueRefused(err) {
 			// A value the server refuses is refused again, and is the caller's to handle
 			// (run stores it as not storable): not a store failure to log.

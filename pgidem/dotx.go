@@ -76,7 +76,7 @@ WITH locked AS (
 )
 INSERT INTO {t} AS r (namespace, key, status, owner, attempts, fingerprint, result, error,
 	lease_expires_at, expires_at, created_at, updated_at, completed_at)
-SELECT $1, $2, $3, $4, 1, $5, $6, $7, NULL,
+SELECT $1, $2, $3, $4, 1, $5, $6::jsonb, $7::jsonb, NULL,
 	statement_timestamp() + $8 * interval '1 microsecond',
 	statement_timestamp(), statement_timestamp(), statement_timestamp()
 FROM (SELECT count(*) FROM old) AS read_first
@@ -567,7 +567,7 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 func (c *Coordinator) txUpsert(ctx context.Context, db executor, cl *call, status Status, result, failure []byte) (row, bool, error) {
 	var r row
 	err := db.QueryRow(ctx, c.sql.dotx.upsert, cl.namespace, cl.key, status, newOwner(), cl.fingerprint,
-		result, failure, micros(cl.ttl)).Scan(append(r.scanTargets(false), &r.tookOver)...)
+		jsonText(result), jsonText(failure), micros(cl.ttl)).Scan(append(r.scanTargets(false), &r.tookOver)...)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return r, false, nil
 	}

@@ -1,6 +1,7 @@
 package pgidem
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"strings"
@@ -186,6 +187,23 @@ func isValueRefused(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && (strings.HasPrefix(pgErr.Code, sqlstateClassDataException) ||
 		strings.HasPrefix(pgErr.Code, sqlstateClassProgramLimit))
+}
+
+// mayHaveApplied reports whether a write that failed with err may still have committed on
+// the server, its reply lost. Nothing was applied when the connection could not be made,
+// when pgconn says nothing was sent, or when the server answered with an ERROR (the
+// statement, its own transaction, rolled back). A FATAL or PANIC ends the session, and a
+// session can end after its commit.
+func mayHaveApplied(err error) bool {
+	if isConnectError(err) || pgconn.SafeToRetry(err) {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		severity := cmp.Or(pgErr.SeverityUnlocalized, pgErr.Severity)
+		return severity == "FATAL" || severity == "PANIC"
+	}
+	return true
 }
 
 // isConnectError reports whether err is a failure to reach the server at all (refused,

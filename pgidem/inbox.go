@@ -85,13 +85,13 @@ func newInboxStatements(schema string) inboxStatements {
 		//     commit it does nothing (duplicate), after its rollback it inserts.
 		record: r.Replace(`
 WITH takeover AS (
-	UPDATE {t} SET payload = $3, received_at = statement_timestamp(),
+	UPDATE {t} SET payload = $3::jsonb, received_at = statement_timestamp(),
 		expires_at = statement_timestamp() + $4 * interval '1 microsecond'
 	WHERE consumer = $1 AND message_id = $2 AND expires_at <= statement_timestamp()
 	RETURNING true
 ), ins AS (
 	INSERT INTO {t} (consumer, message_id, payload, received_at, expires_at)
-	SELECT $1, $2, $3, statement_timestamp(), statement_timestamp() + $4 * interval '1 microsecond'
+	SELECT $1, $2, $3::jsonb, statement_timestamp(), statement_timestamp() + $4 * interval '1 microsecond'
 	WHERE NOT EXISTS (SELECT FROM takeover)
 	ON CONFLICT (consumer, message_id) DO NOTHING
 	RETURNING true
@@ -324,7 +324,7 @@ func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, me
 
 func (c *Coordinator) inboxRecord(ctx context.Context, db executor, ic *inboxCall) (bool, error) {
 	var inserted bool
-	err := db.QueryRow(ctx, c.sql.inbox.record, ic.consumer, ic.messageID, ic.payload,
+	err := db.QueryRow(ctx, c.sql.inbox.record, ic.consumer, ic.messageID, jsonText(ic.payload),
 		micros(ic.retention)).Scan(&inserted)
 	if err != nil {
 		return false, c.inboxStoreError(ctx, ic, "inbox", err)

@@ -180,3 +180,47 @@ func TestLongFailureMessageTruncated(t *testing.T) {
 	_, err = pgidem.DoInTx(b.ctx, b.coord, "t", "dotx", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
 	check(t, err)
 }
+
+// A reserving write whose reply is lost after it committed is not abandoned: the call finds
+// its own owner token on the row and holds the reservation it made, so fn runs once and a
+// takeover is reported only when there was one. Without the recovery the call failed with
+// a store error and left a reservation that the next caller took over after a lease
+// (attempts 2). The insert alone, in a shared round (the marker is in both forms), and the
+// takeover of an expired lease (the takeover judged from the read before the write).
+func TestReserveLostReply(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, marker string
+		opts         *pgidem.DoOpts
+		expiredLease bool
+		tookOver     bool
+		attempts     int
+	}{
+		{"InsertAlone", "WITH ins AS", &pgidem.DoOpts{ReserveFirst: true}, false, false, 1},
+		{"InsertAfterRead", "WITH ins AS", nil, false, false, 1},
+		{"Takeover", "AS took_over", nil, true, true, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			pool, d := b.lostReplyPool(t, tc.marker)
+			coord := b.newCoordOn(t, pool, nil)
+			if tc.expiredLease {
+				reviewInsert(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
+			}
+			var runs atomic.Int32
+			res, err := pgidem.DoResult(b.ctx, coord, "mail", "k", testTTL, tc.opts, func(context.Context) (int, error) {
+				runs.Add(1)
+				return 7, nil
+			})
+			require.NoError(t, err)
+			require.True(t, d.fired.Load(), "the reserving write's reply was lost")
+			require.EqualValues(t, 1, runs.Load())
+			require.Equal(t, tc.tookOver, res.TookOver)
+			require.Equal(t, tc.attempts, res.Attempts)
+			rec := b.lookup(t, "mail", "k")
+			require.Equal(t, pgidem.StatusCompleted, rec.Status)
+			require.Equal(t, tc.attempts, rec.Attempts)
+		})
+	}
+}

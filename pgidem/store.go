@@ -70,6 +70,18 @@ type Record struct {
 	Expired bool
 }
 
+// jsonText returns a JSON value as the text parameter its statement casts to jsonb (nil:
+// NULL). JSON travels as text because pgx's modes that type a parameter by its Go type
+// (QueryExecModeExec, the simple protocol) would send a []byte as bytea, which jsonb
+// does not read.
+func jsonText(b []byte) *string {
+	if b == nil {
+		return nil
+	}
+	s := string(b)
+	return &s
+}
+
 // storedFailure is the JSON shape of pgidem_record.error.
 type storedFailure struct {
 	Message     string `json:"message"`
@@ -143,7 +155,7 @@ WITH ins AS (
 	INSERT INTO {t} (namespace, key, status, owner, attempts, fingerprint,
 		lease_expires_at, expires_at)
 	SELECT $1, $2, 'in_progress', $3::uuid, 1, $4::bytea,
-		now() + $5 * interval '1 microsecond', now() + ($5 + $6) * interval '1 microsecond' {from}
+		now() + $5 * interval '1 microsecond', now() + ($5::bigint + $6::bigint) * interval '1 microsecond' {from}
 	ON CONFLICT (namespace, key) DO NOTHING
 	RETURNING true AS inserted, {cols}
 )
@@ -158,8 +170,8 @@ WHERE namespace = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`)
 	complete := r.Replace(`
 UPDATE {t} SET
 	status = $4,
-	result = $5,
-	error = $6,
+	result = $5::jsonb,
+	error = $6::jsonb,
 	lease_expires_at = NULL,
 	completed_at = now(),
 	expires_at = now() + $7 * interval '1 microsecond',
@@ -225,7 +237,7 @@ UPDATE {t} SET
 	error = NULL,
 	completed_at = NULL,
 	lease_expires_at = now() + $5 * interval '1 microsecond',
-	expires_at = now() + ($5 + $6) * interval '1 microsecond',
+	expires_at = now() + ($5::bigint + $6::bigint) * interval '1 microsecond',
 	updated_at = now()
 FROM old
 WHERE namespace = $1 AND key = $2
@@ -240,7 +252,7 @@ RETURNING true AS inserted, {cols}, NOT old.was_expired AND NOT old.was_released
 		heartbeat: r.Replace(`
 UPDATE {t} SET
 	lease_expires_at = now() + $4 * interval '1 microsecond',
-	expires_at = greatest(expires_at, now() + ($4 + $5) * interval '1 microsecond'),
+	expires_at = greatest(expires_at, now() + ($4::bigint + $5::bigint) * interval '1 microsecond'),
 	updated_at = now()
 WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`),
 
@@ -331,6 +343,7 @@ type row struct {
 	dbNow        time.Time
 	released     bool // given up by its holder (releasedCondition); taking it over is no takeover
 	tookOver     bool // the takeover statement and DoTx's upsert only: they took over a holder that died
+	recovered    bool // read back after the reserving write's reply was lost (reserveWrite)
 }
 
 func (r *row) scanTargets(withInserted bool) []any {

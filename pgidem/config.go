@@ -217,6 +217,10 @@ type Coordinator struct {
 // database where pgidem's migrations have run (package migrations). config may be nil for
 // all defaults; it is copied. It returns an error naming the Config field when a setting is
 // invalid. It does not touch the database.
+//
+// The pool may use any of pgx's query modes (ConnConfig.DefaultQueryExecMode), including
+// QueryExecModeExec and the simple protocol that transaction-pooling proxies such as
+// PgBouncer need; the mode is read once, here.
 func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 	if pool == nil {
 		return nil, errors.New("pgidem: NewCoordinator: pool is nil")

@@ -219,8 +219,8 @@ type Coordinator struct {
 // invalid. It does not touch the database.
 //
 // The pool may use any of pgx's query modes (ConnConfig.DefaultQueryExecMode), including
-// QueryExecModeExec and the simple protocol that transaction-pooling proxies such as
-// PgBouncer need; the mode is read once, here.
+// QueryExecModeExec and the simple protocol, which pools behind a transaction-pooling
+// proxy such as PgBouncer often use; the mode is read once, here.
 func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 	if pool == nil {
 		return nil, errors.New("pgidem: NewCoordinator: pool is nil")

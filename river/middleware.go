@@ -86,7 +86,11 @@ const (
 	// KeySourceJobID: no key was found and the job id was used. It dedupes redeliveries of
 	// the same job (a crash before River recorded completion, the stuck-job rescuer running
 	// it again), not two jobs enqueued for the same effect. Logged once per kind at warn
-	// and counted in [Stats.JobIDKeys].
+	// and counted in [Stats.JobIDKeys]. A job id is unique only within one River job
+	// table while its sequence runs on: clients of different River schemas sharing one
+	// pgidem table, or a job table recreated within the TTL, reuse ids, and a new job
+	// would replay an old one's record. Give them different namespaces ([Config.KeyFunc])
+	// or pgidem schemas.
 	KeySourceJobID KeySource = "job_id"
 )
 
@@ -140,6 +144,11 @@ type Outcome struct {
 	TookOver bool
 	// Attempts is the record's attempt count (see [pgidem.Result.Attempts]).
 	Attempts int
+	// FailedOpen is true when the worker ran without a reservation: the store was
+	// unreachable and the coordinator fails open ([pgidem.Config.FailOpen]). No record
+	// exists; Action is [ActionExecuted] (the worker succeeded) or [ActionReleased] (it
+	// failed) as for a reserved run, but nothing was completed or released.
+	FailedOpen bool
 	// Output is the JSON output the effect recorded with [RecordOutput] (the original run's
 	// on a replay), nil when none.
 	Output json.RawMessage
@@ -219,7 +228,11 @@ type Config struct {
 	//
 	// A reservation step that runs out of time fails the job (River retries it) with an
 	// error that names Config.SQLTimeout and matches context.DeadlineExceeded; the worker
-	// does not run and no reservation is left behind. Default [SQLTimeoutDefault] (10 s);
+	// does not run and no reservation is left behind. For that, a reserving write already
+	// sent when the time runs out is not abandoned: pgidem waits for its outcome, at most
+	// [pgidem.Config.FinishTimeout] (and releases what it reserved). With a store that
+	// hangs (a table lock, a server that stopped answering) the step can therefore last
+	// up to that long beyond SQLTimeout. Default [SQLTimeoutDefault] (10 s);
 	// negative values are rejected by [NewMiddleware].
 	SQLTimeout time.Duration
 
@@ -253,6 +266,9 @@ type Stats struct {
 	Waited int64
 	// JobIDKeys counts executions keyed by the job id ([KeySourceJobID]).
 	JobIDKeys int64
+	// FailedOpen counts executions whose worker ran without a reservation because the
+	// store was unreachable and the coordinator fails open ([Outcome.FailedOpen]).
+	FailedOpen int64
 }
 
 // Middleware is a River worker middleware ([rivertype.WorkerMiddleware]) that runs each job
@@ -296,7 +312,7 @@ type Middleware struct {
 
 	fallbackLogged sync.Map // kind -> struct{}: job-id fallback already logged
 	counts         struct {
-		executed, replayed, snoozed, released, cancelled, errors, skipped, waited, jobIDKeys atomic.Int64
+		executed, replayed, snoozed, released, cancelled, errors, skipped, waited, jobIDKeys, failedOpen atomic.Int64
 	}
 }
 
@@ -366,6 +382,7 @@ func (m *Middleware) Stats() Stats {
 		Executed: c.executed.Load(), Replayed: c.replayed.Load(), Snoozed: c.snoozed.Load(),
 		Released: c.released.Load(), Cancelled: c.cancelled.Load(), Errors: c.errors.Load(),
 		Skipped: c.skipped.Load(), Waited: c.waited.Load(), JobIDKeys: c.jobIDKeys.Load(),
+		FailedOpen: c.failedOpen.Load(),
 	}
 }
 
@@ -499,6 +516,9 @@ func (m *Middleware) record(out *Outcome) {
 	if out.KeySource == KeySourceJobID {
 		c.jobIDKeys.Add(1)
 	}
+	if out.FailedOpen {
+		c.failedOpen.Add(1)
+	}
 }
 
 // effectRecord is the JSON stored as the record's result: which job performed the effect
@@ -563,7 +583,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 			succeeded = true
 			return effectRecord{JobID: job.ID, Attempt: job.Attempt, Output: slot.get()}, nil
 		})
-	out.Waited, out.TookOver, out.Attempts = res.Waited, res.TookOver, res.Attempts
+	out.Waited, out.TookOver, out.Attempts, out.FailedOpen = res.Waited, res.TookOver, res.Attempts, res.FailedOpen
 
 	var (
 		inProgress *pgidem.InProgressError

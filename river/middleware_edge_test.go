@@ -8,12 +8,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
@@ -567,4 +569,34 @@ func TestRegisterAgainDropsOldAliases(t *testing.T) {
 		kinds = append(kinds, w.Kind)
 	}
 	require.Equal(t, []string{"mail.invoice_v2"}, kinds)
+}
+
+// Under pgidem's FailOpen with the store unreachable, the worker runs without a
+// reservation: the outcome and Stats say so instead of describing a record that does not
+// exist.
+func TestFailedOpenOutcome(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg, err := pgxpool.ParseConfig(b.db.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.DialFunc = func(context.Context, string, string) (net.Conn, error) {
+		return nil, errors.New("network unreachable")
+	}
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{FailOpen: true})
+	require.NoError(t, err)
+	outs := newOutcomes()
+	mw, err := pgidemriver.NewMiddleware(coord, &pgidemriver.Config{Hook: outs, Logger: testLogger(t)})
+	require.NoError(t, err)
+	mw.Register(InvoiceArgs{})
+
+	var runs atomic.Int32
+	require.NoError(t, mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":4}`), func(context.Context) error { runs.Add(1); return nil }))
+	require.EqualValues(t, 1, runs.Load())
+	out := outs.list()[0]
+	require.True(t, out.FailedOpen)
+	require.Equal(t, pgidemriver.ActionExecuted, out.Action)
+	require.EqualValues(t, 1, mw.Stats().FailedOpen)
 }

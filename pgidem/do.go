@@ -235,8 +235,8 @@ type acquisition struct {
 const maxSnapshotRetries = 10
 
 // acquire reserves the key, takes over an available record, or waits/raises for an
-// in-progress one (the reservation protocol of the package docs). It writes only when it inserts or
-// takes over; reading an existing record never writes.
+// in-progress one (the reservation protocol of the package docs). It writes only when it
+// inserts or takes over; reading an existing record never writes.
 func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error) {
 	var acq acquisition
 	w := c.newWaiter(cl, time.Time{}, false)

@@ -301,8 +301,8 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			if err != nil {
 				return acq, c.logStoreError(ctx, cl, storeError("takeover", err))
 			}
-			if t.recovered { // the takeover's reply was lost: judge by the read before it
-				t.tookOver = !r.expired && !r.released
+			if t.recovered { // the takeover's reply was lost: it counted an attempt, or not
+				t.tookOver = t.attempts == r.attempts+1
 			}
 			acq.held, acq.row = true, t
 			if t.tookOver {
@@ -426,11 +426,30 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 			}
 		}
 		r, err = c.reserveOne(ctx, sql, cl, owner)
+		if unknown && err == nil && !r.inserted && ownedBy(&r, owner) {
+			// The first write committed after the read above (it was still running on the
+			// server, behind a lock): the insert finds its own row.
+			r.inserted, r.recovered = true, true
+		}
+		if unknown && errors.Is(err, pgx.ErrNoRows) {
+			// Or this write waited for the first one to finish and then matched nothing:
+			// look once more, now that the first is done.
+			if mine, ok, rerr := c.ownReservation(ctx, cl, owner); rerr != nil || ok {
+				return mine, refused, rerr
+			}
+		}
 		if attempt > 0 || !replyLost(err) {
 			return r, refused, err
 		}
 		unknown, refused = true, true
 	}
+}
+
+// ownedBy reports whether r is in progress under owner with its lease running: a
+// reservation this call made. One whose lease already ran out is not claimed (another
+// caller may be taking it over); the caller takes it over like any expired lease.
+func ownedBy(r *row, owner pgtype.UUID) bool {
+	return r.status == StatusInProgress && r.owner == owner && !r.leaseExpired && !r.released
 }
 
 // replyLost reports whether a reserving write failed with err after it may have
@@ -452,7 +471,7 @@ func (c *Coordinator) ownReservation(ctx context.Context, cl *call, owner pgtype
 		return row{}, false, nil
 	case err != nil:
 		return row{}, false, err
-	case r.status != StatusInProgress || r.owner != owner:
+	case !ownedBy(&r, owner):
 		return row{}, false, nil
 	}
 	r.inserted, r.recovered = true, true

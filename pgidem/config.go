@@ -220,7 +220,11 @@ type Coordinator struct {
 //
 // The pool may use any of pgx's query modes (ConnConfig.DefaultQueryExecMode), including
 // QueryExecModeExec and the simple protocol, which pools behind a transaction-pooling
-// proxy such as PgBouncer often use; the mode is read once, here.
+// proxy such as PgBouncer often use; the mode is read once, here. pgidem's own statements
+// are written for READ COMMITTED, Postgres's default isolation; on a pool whose sessions
+// default to REPEATABLE READ or SERIALIZABLE, contention on a key makes the server refuse
+// some of them with serialization failures, which pgidem answers by reading the key again
+// (slower, still correct).
 func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 	if pool == nil {
 		return nil, errors.New("pgidem: NewCoordinator: pool is nil")

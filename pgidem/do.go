@@ -241,6 +241,12 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 	var acq acquisition
 	w := c.newWaiter(cl, time.Time{}, false)
 	snapshotRetries := 0
+	readAgain := func() error { // before a retry the statement's snapshot made necessary
+		if snapshotRetries++; snapshotRetries%maxSnapshotRetries == 0 {
+			return sleepCtx(ctx, jitter(c.config.PollIntervalMin))
+		}
+		return nil
+	}
 	rounds := 0
 	for {
 		if err := ctx.Err(); err != nil {
@@ -259,6 +265,13 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			if err == nil || errors.Is(err, pgx.ErrNoRows) {
 				acq.answered = true
 			}
+			if isSerializationFailure(err) { // chosen as a victim under SERIALIZABLE
+				acq.answered = true
+				if err := readAgain(); err != nil {
+					return acq, err
+				}
+				continue
+			}
 		}
 		rounds++
 		if errors.Is(err, pgx.ErrNoRows) {
@@ -269,13 +282,13 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 				// (or waited for) another caller's record. Never fail open after this.
 				acq.answered = true
 			}
-			if errors.Is(err, pgx.ErrNoRows) {
+			if errors.Is(err, pgx.ErrNoRows) || isSerializationFailure(err) {
 				// The conflicting row committed after the statement's snapshot (or was
-				// deleted in between): run it again, pausing if the key churns.
-				if snapshotRetries++; snapshotRetries%maxSnapshotRetries == 0 {
-					if err := sleepCtx(ctx, jitter(c.config.PollIntervalMin)); err != nil {
-						return acq, err
-					}
+				// deleted in between; under a stricter default isolation the server says
+				// so with a serialization failure): run it again, pausing if the key
+				// churns.
+				if err := readAgain(); err != nil {
+					return acq, err
 				}
 				continue
 			}
@@ -295,7 +308,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 
 		if r.available() {
 			t, _, err := c.reserveWrite(ctx, c.sql.takeover, cl)
-			if errors.Is(err, pgx.ErrNoRows) {
+			if errors.Is(err, pgx.ErrNoRows) || isSerializationFailure(err) {
 				continue // another caller took it over first (or it was deleted): read again
 			}
 			if err != nil {

@@ -178,6 +178,8 @@ const (
 	// sqlstateLockNotAvailable (lock_not_available) is raised when lock_timeout expires
 	// while DoTx waits for a key's advisory lock.
 	sqlstateLockNotAvailable = "55P03"
+	// sqlstateSerializationFailure (serialization_failure): see isSerializationFailure.
+	sqlstateSerializationFailure = "40001"
 )
 
 // isValueRefused reports whether err carries a server error of class 22 (data
@@ -187,6 +189,16 @@ func isValueRefused(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && (strings.HasPrefix(pgErr.Code, sqlstateClassDataException) ||
 		strings.HasPrefix(pgErr.Code, sqlstateClassProgramLimit))
+}
+
+// isSerializationFailure reports whether the server refused a statement because a row it
+// needed changed after its snapshot (serialization_failure, 40001). pgidem's own
+// statements expect READ COMMITTED, Postgres's default, which re-checks such a row
+// instead; a pool whose sessions default to REPEATABLE READ or SERIALIZABLE gets this
+// error for ordinary contention on a key, and the caller reads the key again.
+func isSerializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == sqlstateSerializationFailure
 }
 
 // mayHaveApplied reports whether a write that failed with err may still have committed on

@@ -289,6 +289,53 @@ func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, t
 	return res.Value, err // err is nil, or fn's permanent failure, now stored
 }
 
+// savepointName names the savepoints DoTx opens in the caller's transaction. Nested DoTx
+// calls (fn calling DoTx with its tx) reuse it: Postgres lets a newer savepoint shadow an
+// older one of the same name and releases and rolls back to the newest.
+const savepointName = "pgidem_dotx"
+
+// savepoint is a savepoint DoTx opens in the caller's transaction, given to fn as its tx.
+// Unlike pgx's nested transaction, rolling it back also releases it: ROLLBACK TO SAVEPOINT
+// alone keeps the savepoint and its subtransaction open, so a caller looping over DoTx
+// calls that fail would nest one more subtransaction per call, and past 64 of them
+// Postgres's per-backend cache of subtransactions overflows, which slows every snapshot
+// in the cluster while the transaction stays open. Everything else is the caller's tx
+// (Begin makes a pgx savepoint inside this one).
+type savepoint struct {
+	pgx.Tx
+	closed bool
+}
+
+func beginSavepoint(ctx context.Context, tx pgx.Tx) (*savepoint, error) {
+	if _, err := tx.Exec(ctx, "SAVEPOINT "+savepointName); err != nil {
+		return nil, err
+	}
+	return &savepoint{Tx: tx}, nil
+}
+
+// Commit releases the savepoint; its writes become the enclosing transaction's.
+func (s *savepoint) Commit(ctx context.Context) error {
+	if s.closed {
+		return pgx.ErrTxClosed
+	}
+	s.closed = true
+	_, err := s.Tx.Exec(ctx, "RELEASE SAVEPOINT "+savepointName)
+	return err
+}
+
+// Rollback undoes the savepoint's writes and releases it.
+func (s *savepoint) Rollback(ctx context.Context) error {
+	if s.closed {
+		return pgx.ErrTxClosed
+	}
+	s.closed = true
+	if _, err := s.Tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepointName); err != nil {
+		return err
+	}
+	_, err := s.Tx.Exec(ctx, "RELEASE SAVEPOINT "+savepointName)
+	return err
+}
+
 // rollbackDetached rolls tx (a transaction or a savepoint) back on a context detached from
 // ctx, so a cancelled caller still releases what it holds.
 func (c *Coordinator) rollbackDetached(ctx context.Context, tx pgx.Tx) {
@@ -442,7 +489,7 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 // lock_timeout with SET LOCAL semantics and restores the caller's value afterwards; rolling
 // back to the savepoint restores it too.
 func (c *Coordinator) txWaitLock(ctx context.Context, tx pgx.Tx, cl *call, id int64, timeout time.Duration) error {
-	sp, err := tx.Begin(ctx)
+	sp, err := beginSavepoint(ctx, tx)
 	if err != nil {
 		return err
 	}
@@ -493,7 +540,7 @@ type txOutcome[T any] struct {
 // record appeared meanwhile (a Do holder): fn's writes are then rolled back, nothing is
 // recorded, and the caller decides again.
 func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (out txOutcome[T], won bool, err error) {
-	sp, err := tx.Begin(ctx)
+	sp, err := beginSavepoint(ctx, tx)
 	if err != nil {
 		return out, false, c.logStoreError(ctx, cl, storeError("savepoint", err))
 	}
@@ -522,7 +569,7 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 			return out, true, notStored(c.logStoreError(ctx, cl, storeError("release", err)))
 		}
 		failure, _ := json.Marshal(storedFailure{Message: storableMessage(permanent.Error())})
-		if sp, err = tx.Begin(ctx); err != nil {
+		if sp, err = beginSavepoint(ctx, tx); err != nil {
 			released = true
 			return out, true, notStored(c.logStoreError(ctx, cl, storeError("savepoint", err)))
 		}

@@ -595,3 +595,30 @@ func TestDoTxSweptExpiredRecordUnderRepeatableRead(t *testing.T) {
 		})
 	}
 }
+
+// DoTx's savepoints are released on every path, also when they are rolled back: ROLLBACK
+// TO SAVEPOINT alone keeps the savepoint open, and a transaction looping over DoTx calls
+// that fail nested one subtransaction per call. After many failing calls and a write, the
+// transaction holds one transaction id, not one per call, and no pgidem savepoint is left.
+func TestDoTxErrorsLeaveNoSavepoints(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	tx := b.begin(t)
+	failed := errors.New("fn failed")
+	for i := range 70 {
+		fn := func(context.Context, pgx.Tx) (int, error) { return 0, failed }
+		if i%2 == 1 {
+			fn = func(context.Context, pgx.Tx) (int, error) { return 0, pgidem.Permanent(failed) }
+		}
+		_, err := pgidem.DoTx(b.ctx, b.coord, tx, "ledger", fmt.Sprintf("k-%d", i), testTTL, nil, fn)
+		require.ErrorIs(t, err, failed)
+	}
+	_, err := pgidem.DoTx(b.ctx, b.coord, tx, "ledger", "ok", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+	require.NoError(t, err)
+	var xids int
+	require.NoError(t, tx.QueryRow(b.ctx, `SELECT count(*) FROM pg_locks
+		WHERE locktype = 'transactionid' AND pid = pg_backend_pid()`).Scan(&xids))
+	require.LessOrEqual(t, xids, 2, "the transaction's id (and at most one subtransaction's), not one per DoTx call")
+	_, err = tx.Exec(b.ctx, "RELEASE SAVEPOINT pgidem_dotx")
+	require.ErrorContains(t, err, "3B001", "no pgidem savepoint is left open")
+}

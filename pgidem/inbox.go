@@ -306,9 +306,11 @@ func numericFits(b []byte) (int, bool) {
 // retention counts as absent and is reused (true), whether or not a concurrent
 // [Coordinator.Sweep] deletes it meanwhile.
 //
-// Under REPEATABLE READ or SERIALIZABLE a concurrent duplicate may instead fail with a
-// serialization failure (SQLSTATE 40001); retry the transaction. Database errors are
-// returned as a [*StoreError] for op "inbox"; roll tx back after one. Cancelling ctx
+// Under REPEATABLE READ or SERIALIZABLE a concurrent duplicate, or a concurrent Sweep
+// deleting the expired row this call would reuse, may instead fail with a serialization
+// failure (SQLSTATE 40001, returned as a [*StoreError] whose Err is the *pgconn.PgError);
+// retry the transaction. Database errors are returned as a [*StoreError] for op "inbox";
+// roll tx back after one. Cancelling ctx
 // cancels the statement. Safe for concurrent use on different transactions.
 func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, messageID string, opts *InboxOpts) (bool, error) {
 	ic, err := c.newInboxCall(consumer, messageID, opts)

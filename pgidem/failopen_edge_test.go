@@ -3,7 +3,6 @@ package pgidem_test
 import (
 	"context"
 	"errors"
-	"net"
 	"sync/atomic"
 	"testing"
 
@@ -24,15 +23,8 @@ func TestFailOpenAfterReserveFirstNoRow(t *testing.T) {
 	b := setup(t, nil)
 
 	var down atomic.Bool
-	pool := b.newPool(t, func(cfg *pgxpool.Config) {
+	pool := b.downablePool(t, &down, func(cfg *pgxpool.Config) {
 		cfg.MinConns = 0
-		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-			if down.Load() {
-				return nil, errors.New("review3: network unreachable")
-			}
-			var d net.Dialer
-			return d.DialContext(ctx, network, addr)
-		}
 		// A connection released while the store is "down" is dropped, so the next
 		// statement needs a new connection (as after a server restart or a network blip).
 		cfg.AfterRelease = func(*pgx.Conn) bool { return !down.Load() }

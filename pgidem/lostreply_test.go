@@ -123,14 +123,7 @@ func TestReleaseRetryAfterConnectFailureReportsTakeover(t *testing.T) {
 	const lease = 300 * time.Millisecond
 	b := setup(t, nil)
 	var offline atomic.Bool
-	pool := b.newPool(t, func(cfg *pgxpool.Config) {
-		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-			if offline.Load() {
-				return nil, errors.New("network down")
-			}
-			return (&net.Dialer{}).DialContext(ctx, network, addr)
-		}
-	})
+	pool := b.downablePool(t, &offline, nil)
 	var leaseLost atomic.Int32
 	coord := b.newCoordOn(t, pool, &pgidem.Config{Lease: lease, Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
 		if e.Kind == pgidem.EventLeaseLost {

@@ -397,15 +397,7 @@ func TestFailOpenNeverBesideHolder(t *testing.T) {
 	b := setup(t, nil)
 
 	var down atomic.Bool
-	waiterPool := b.newPool(t, func(cfg *pgxpool.Config) {
-		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-			if down.Load() {
-				return nil, errors.New("review: network unreachable")
-			}
-			var d net.Dialer
-			return d.DialContext(ctx, network, addr)
-		}
-	})
+	waiterPool := b.downablePool(t, &down, nil)
 	waited := make(chan struct{})
 	var waitedOnce sync.Once
 	waiter, err := pgidem.NewCoordinator(waiterPool, &pgidem.Config{

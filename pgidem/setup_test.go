@@ -2,6 +2,9 @@ package pgidem_test
 
 import (
 	"context"
+	"errors"
+	"net"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -44,6 +47,24 @@ func (b *testBundle) newCoordOn(t *testing.T, pool *pgxpool.Pool, config *pgidem
 	coord, err := pgidem.NewCoordinator(pool, config)
 	require.NoError(t, err)
 	return coord
+}
+
+// downablePool returns a pool on the bundle's database that cannot open connections while
+// down is true (as if the network or the server were gone); configure (which may be nil)
+// adjusts the rest of its config.
+func (b *testBundle) downablePool(t *testing.T, down *atomic.Bool, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	return b.newPool(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if down.Load() {
+				return nil, errors.New("network unreachable")
+			}
+			return (&net.Dialer{}).DialContext(ctx, network, addr)
+		}
+		if configure != nil {
+			configure(cfg)
+		}
+	})
 }
 
 // newPool returns another pool on the bundle's database, closed at cleanup, after

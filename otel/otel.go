@@ -2,9 +2,10 @@
 //
 // [Hook] implements [pgidem.Hook]: install it in [pgidem.Config.Hook] and every outcome
 // (executed, replayed, in progress, waited, taken over, lease lost, store error, invalid
-// key, fingerprint mismatch, fail-open, swept, inbox recorded, inbox duplicate) adds to
-// one counter, [EventsMetric], with the event kind and the record's namespace (the
-// consumer, for inbox events) as attributes:
+// key, fingerprint mismatch, fail-open, inbox recorded, inbox duplicate) adds one to a
+// counter, [EventsMetric], with the event kind and the record's namespace (the consumer,
+// for inbox events) as attributes; the rows a sweep deletes add to a second counter,
+// [SweptMetric], so each counter has one unit:
 //
 //	hook, err := pgidemotel.NewHook(meterProvider)
 //	if err != nil { ... }
@@ -29,43 +30,62 @@ const (
 	// MeterName is the instrumentation scope of the meter the hook creates.
 	MeterName = "github.com/pgidem/pgidem/otel"
 
-	// EventsMetric is the counter's name. Unit: events ({event}); for the swept kind, rows.
+	// EventsMetric is the name of the counter of outcomes, one per event. Unit: {event}.
 	EventsMetric = "pgidem.events"
+
+	// SweptMetric is the name of the counter of expired rows deleted by sweeps (records
+	// and inbox rows alike; [pgidem.EventSwept]), without attributes. Unit: {row}.
+	SweptMetric = "pgidem.swept"
 
 	// KindAttribute is the attribute holding the [pgidem.EventKind], e.g. "replayed".
 	KindAttribute = "pgidem.event"
 
-	// NamespaceAttribute is the attribute holding the record's namespace ("" for sweeps).
-	// Namespaces name kinds of effect (a job kind, "mail"), so their number stays small;
-	// do not put per-request values in the namespace.
+	// NamespaceAttribute is the attribute holding the record's namespace ("" for a sweep's
+	// store error, and for an invalid_key event whose namespace was itself rejected, so
+	// rejected input never becomes an attribute value). Namespaces name kinds of effect (a
+	// job kind, "mail"), so their number stays small; do not put per-request values in the
+	// namespace.
 	NamespaceAttribute = "pgidem.namespace"
 )
 
 // Hook adds each [pgidem.Event] to an OpenTelemetry counter. Create it with [NewHook]. It
 // is safe for concurrent use, as [pgidem.Hook] requires.
 type Hook struct {
-	events metric.Int64Counter
+	events, swept metric.Int64Counter
 }
 
 var _ pgidem.Hook = (*Hook)(nil)
 
-// NewHook creates the [EventsMetric] counter on a meter named [MeterName] from provider.
-// It returns an error when provider is nil or the counter cannot be created.
+// NewHook creates the [EventsMetric] and [SweptMetric] counters on a meter named
+// [MeterName] from provider. It returns an error when provider is nil or a counter cannot
+// be created.
 func NewHook(provider metric.MeterProvider) (*Hook, error) {
 	if provider == nil {
 		return nil, errors.New("pgidemotel: NewHook: provider is nil")
 	}
-	events, err := provider.Meter(MeterName).Int64Counter(EventsMetric,
+	meter := provider.Meter(MeterName)
+	events, err := meter.Int64Counter(EventsMetric,
 		metric.WithUnit("{event}"),
-		metric.WithDescription("pgidem outcomes by kind: executed, replayed, in_progress, waited, taken_over, lease_lost, store_error, invalid_key, fingerprint_mismatch, fail_open, swept (rows), inbox_recorded, inbox_duplicate"))
+		metric.WithDescription("pgidem outcomes by kind: executed, replayed, in_progress, waited, taken_over, lease_lost, store_error, invalid_key, fingerprint_mismatch, fail_open, inbox_recorded, inbox_duplicate"))
 	if err != nil {
-		return nil, fmt.Errorf("pgidemotel: NewHook: create counter: %w", err)
+		return nil, fmt.Errorf("pgidemotel: NewHook: create counter %s: %w", EventsMetric, err)
 	}
-	return &Hook{events: events}, nil
+	swept, err := meter.Int64Counter(SweptMetric,
+		metric.WithUnit("{row}"),
+		metric.WithDescription("expired pgidem records and inbox rows deleted by sweeps"))
+	if err != nil {
+		return nil, fmt.Errorf("pgidemotel: NewHook: create counter %s: %w", SweptMetric, err)
+	}
+	return &Hook{events: events, swept: swept}, nil
 }
 
-// OnEvent adds event.Count to the counter with the kind and namespace attributes.
+// OnEvent adds event.Count to [SweptMetric] for [pgidem.EventSwept], and to
+// [EventsMetric] with the kind and namespace attributes for every other kind.
 func (h *Hook) OnEvent(ctx context.Context, event pgidem.Event) {
+	if event.Kind == pgidem.EventSwept {
+		h.swept.Add(ctx, event.Count)
+		return
+	}
 	h.events.Add(ctx, event.Count, metric.WithAttributes(
 		attribute.String(KindAttribute, string(event.Kind)),
 		attribute.String(NamespaceAttribute, event.Namespace),

@@ -38,26 +38,39 @@ func TestHookCountsOutcomes(t *testing.T) {
 	}
 	_, err = pgidem.Do(ctx, coord, "mail", "bad\x00key", time.Hour, nil, fn)
 	require.ErrorIs(t, err, pgidem.ErrInvalidKey)
+	_, err = pgidem.Do(ctx, coord, "bad\x00namespace", "k", time.Hour, nil, fn)
+	require.ErrorIs(t, err, pgidem.ErrInvalidKey)
+	_, err = db.Pool.Exec(ctx, `UPDATE pgidem_record SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	_, err = coord.Sweep(ctx, nil)
+	require.NoError(t, err)
 
 	var rm metricdata.ResourceMetrics
 	require.NoError(t, reader.Collect(ctx, &rm))
 	got := map[string]int64{}
+	units := map[string]string{}
 	for _, sm := range rm.ScopeMetrics {
 		require.Equal(t, pgidemotel.MeterName, sm.Scope.Name)
 		for _, m := range sm.Metrics {
-			require.Equal(t, pgidemotel.EventsMetric, m.Name)
+			units[m.Name] = m.Unit
 			sum, ok := m.Data.(metricdata.Sum[int64])
 			require.True(t, ok, "a monotonic int64 sum")
 			require.True(t, sum.IsMonotonic)
 			for _, dp := range sum.DataPoints {
+				if m.Name == pgidemotel.SweptMetric {
+					require.Zero(t, dp.Attributes.Len())
+					got["swept rows"] += dp.Value
+					continue
+				}
 				kind, _ := dp.Attributes.Value(attribute.Key(pgidemotel.KindAttribute))
 				ns, _ := dp.Attributes.Value(attribute.Key(pgidemotel.NamespaceAttribute))
-				require.Equal(t, "mail", ns.AsString())
-				got[kind.AsString()] += dp.Value
+				got[kind.AsString()+" "+ns.AsString()] += dp.Value
 			}
 		}
 	}
-	require.Equal(t, map[string]int64{"executed": 1, "replayed": 2, "invalid_key": 1}, got)
+	require.Equal(t, map[string]string{pgidemotel.EventsMetric: "{event}", pgidemotel.SweptMetric: "{row}"}, units)
+	require.Equal(t, map[string]int64{"executed mail": 1, "replayed mail": 2, "invalid_key mail": 1,
+		"invalid_key ": 1, "swept rows": 1}, got, "a rejected namespace is not an attribute value")
 
 	_, err = pgidemotel.NewHook(nil)
 	require.Error(t, err)

@@ -138,7 +138,7 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 	}
 	call, err := c.newCall(namespace, key, ttl, opts)
 	if err != nil {
-		c.emit(ctx, EventInvalidKey, namespace, 1)
+		c.emitInvalid(ctx, namespace)
 		return res, err
 	}
 	acq, err := c.acquire(ctx, call)

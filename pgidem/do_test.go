@@ -7,12 +7,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -780,4 +782,55 @@ func TestNilArguments(t *testing.T) {
 	_, err = pgidem.Do(b.ctx, nil, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
 	require.ErrorContains(t, err, "must not be nil")
 	require.Equal(t, 0, b.count(t))
+}
+
+func TestSweepStoreErrorReported(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	_, err := b.db.Pool.Exec(b.ctx, "DROP TABLE pgidem_inbox")
+	require.NoError(t, err)
+	var events []pgidem.Event
+	var mu sync.Mutex
+	coord := b.newCoord(t, &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		mu.Lock()
+		defer mu.Unlock()
+		events = append(events, e)
+	})})
+	_, err = coord.Sweep(b.ctx, nil)
+	require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+	_, err = coord.Lookup(b.ctx, "mail", "k")
+	require.ErrorIs(t, err, pgidem.ErrNotFound, "a missing record is not a store error")
+	mu.Lock()
+	defer mu.Unlock()
+	require.Equal(t, []pgidem.Event{{Kind: pgidem.EventStoreError, Namespace: "", Count: 1}}, events)
+}
+
+func TestInvalidNamespaceIsNotAnEventAttribute(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var namespaces []string
+	var mu sync.Mutex
+	coord := b.newCoord(t, &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		require.Equal(t, pgidem.EventInvalidKey, e.Kind)
+		mu.Lock()
+		defer mu.Unlock()
+		namespaces = append(namespaces, e.Namespace)
+	})})
+	fn := func(context.Context) (int, error) { return 1, nil }
+	txFn := func(context.Context, pgx.Tx) (int, error) { return 1, nil }
+	long := strings.Repeat("n", 1<<16)
+	for _, ns := range []string{"bad\x00ns", "\xff\xfe", long} {
+		_, err := pgidem.Do(b.ctx, coord, ns, "k", testTTL, nil, fn)
+		require.ErrorIs(t, err, pgidem.ErrInvalidKey)
+		_, err = pgidem.DoInTx(b.ctx, coord, ns, "k", testTTL, nil, txFn)
+		require.ErrorIs(t, err, pgidem.ErrInvalidKey)
+		_, err = coord.InboxHandle(b.ctx, ns, "m", nil, func(context.Context, pgx.Tx) error { return nil })
+		require.ErrorIs(t, err, pgidem.ErrInvalidKey)
+	}
+	// A valid namespace with an invalid key keeps its namespace.
+	_, err := pgidem.Do(b.ctx, coord, "mail", "", testTTL, nil, fn)
+	require.ErrorIs(t, err, pgidem.ErrInvalidKey)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Equal(t, append(slices.Repeat([]string{""}, 9), "mail"), namespaces)
 }

@@ -237,7 +237,7 @@ func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace
 	}
 	cl, err := c.newCall(namespace, key, ttl, opts)
 	if err != nil {
-		c.emit(ctx, EventInvalidKey, namespace, 1)
+		c.emitInvalid(ctx, namespace)
 		return Result[T]{}, err
 	}
 	res, _, err := doTx(ctx, c, tx, cl, fn)
@@ -261,7 +261,7 @@ func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, t
 	}
 	cl, err := c.newCall(namespace, key, ttl, opts)
 	if err != nil {
-		c.emit(ctx, EventInvalidKey, namespace, 1)
+		c.emitInvalid(ctx, namespace)
 		return zero, err
 	}
 	if err := ctx.Err(); err != nil {

@@ -43,7 +43,11 @@ type Event struct {
 	// Kind is what happened.
 	Kind EventKind
 	// Namespace is the record's namespace; the consumer for inbox events
-	// ([EventInboxRecorded], [EventInboxDuplicate]); "" for sweeps.
+	// ([EventInboxRecorded], [EventInboxDuplicate]); "" for sweeps (and a sweep's
+	// [EventStoreError]), and "" for an [EventInvalidKey] whose namespace (or consumer) is
+	// itself what was rejected, so rejected input never becomes a metric attribute: a
+	// hook can use Namespace as a label without bounding or sanitising it beyond what
+	// [Config.MaxNamespaceBytes] allows.
 	Namespace string
 	// Count is 1, or the number of rows for [EventSwept].
 	Count int64
@@ -61,6 +65,15 @@ type HookFunc func(ctx context.Context, event Event)
 
 // OnEvent calls f(ctx, event).
 func (f HookFunc) OnEvent(ctx context.Context, event Event) { f(ctx, event) }
+
+// emitInvalid reports [EventInvalidKey] for a call whose namespace (or inbox consumer) is
+// namespace: under that namespace when it is valid, else under "".
+func (c *Coordinator) emitInvalid(ctx context.Context, namespace string) {
+	if validatePart("namespace", namespace, c.config.MaxNamespaceBytes) != nil {
+		namespace = ""
+	}
+	c.emit(ctx, EventInvalidKey, namespace, 1)
+}
 
 func (c *Coordinator) emit(ctx context.Context, kind EventKind, namespace string, count int64) {
 	if c.config.Hook != nil {

@@ -315,7 +315,7 @@ func numericFits(b []byte) (int, bool) {
 func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, messageID string, opts *InboxOpts) (bool, error) {
 	ic, err := c.newInboxCall(consumer, messageID, opts)
 	if err != nil {
-		c.emit(ctx, EventInvalidKey, consumer, 1)
+		c.emitInvalid(ctx, consumer)
 		return false, err
 	}
 	if tx == nil {
@@ -369,7 +369,7 @@ func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID strin
 	}
 	ic, err := c.newInboxCall(consumer, messageID, opts)
 	if err != nil {
-		c.emit(ctx, EventInvalidKey, consumer, 1)
+		c.emitInvalid(ctx, consumer)
 		return false, err
 	}
 	if err := ctx.Err(); err != nil {

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"strings"
 	"time"
 
@@ -416,7 +417,7 @@ func (c *Coordinator) lookup(ctx context.Context, db executor, namespace, key st
 		return nil, ErrNotFound
 	}
 	if err != nil {
-		return nil, storeError("lookup", err)
+		return nil, c.reportStoreError(ctx, namespace, storeError("lookup", err), slog.String("namespace", namespace), slog.String("key", key))
 	}
 	return r.record(namespace, key), nil
 }

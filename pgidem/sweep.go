@@ -70,7 +70,7 @@ func (c *Coordinator) sweepTable(ctx context.Context, sql string, batch int, opt
 		}
 		tag, err := c.pool.Exec(ctx, sql, batch)
 		if err != nil {
-			return total, storeError("sweep", err)
+			return total, c.reportStoreError(ctx, "", storeError("sweep", err), slog.Int64("deleted", total))
 		}
 		n := tag.RowsAffected()
 		total += n

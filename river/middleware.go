@@ -100,7 +100,8 @@ type Action string
 const (
 	// ActionExecuted: the worker ran under a fresh (or taken-over) reservation and
 	// succeeded; the record is completed and the job completes. This includes a worker
-	// whose [RecordOutput] could not be stored in the record ([Outcome.OutputNotStored]):
+	// whose [RecordOutput] could not be stored in the record ([Outcome.OutputNotStored])
+	// and one whose record could not be completed at all ([Outcome.RecordNotCompleted]):
 	// its effect ran, so the job completes rather than retrying or being cancelled.
 	ActionExecuted Action = "executed"
 	// ActionReplayed: the key's effect had already completed; the worker did not run and
@@ -120,7 +121,8 @@ const (
 	// river.JobCancel so River does not retry it.
 	ActionCancelled Action = "cancelled"
 	// ActionError: the middleware could not decide (invalid key, undecodable args, store
-	// unreachable, lease lost); the error was returned to River, which retries the job.
+	// unreachable, the lease lost while a worker that then failed ran); the error was
+	// returned to River, which retries the job.
 	ActionError Action = "error"
 	// ActionSkipped: the kind is excluded ([Config.ExcludeKinds], [SweepKind]); the
 	// worker ran without a reservation.
@@ -158,6 +160,15 @@ type Outcome struct {
 	// record is completed without it, so the effect is not repeated, and the job completes
 	// ([ActionExecuted]); replays of the key complete without output ([ActionReplayed]).
 	OutputNotStored bool
+	// RecordNotCompleted is true when the worker succeeded but pgidem could not complete
+	// its record: the store kept failing through pgidem's finishing retries
+	// ([pgidem.ErrStoreUnavailable]), or the lease had been lost to a takeover
+	// ([pgidem.ErrLeaseLost]). The job completes all the same ([ActionExecuted], logged at
+	// error): its effect ran, and a retry of the job would take the reservation over once
+	// its lease ends and run the effect again. The record stays in progress until then;
+	// another job with the key that comes later takes it over ([Outcome.TookOver]) and
+	// runs the effect again.
+	RecordNotCompleted bool
 	// Snooze is the delay given to river.JobSnooze for [ActionSnoozed].
 	Snooze time.Duration
 	// Err is the error returned to River, nil on success. For a panic (which continues to
@@ -269,6 +280,9 @@ type Stats struct {
 	// FailedOpen counts executions whose worker ran without a reservation because the
 	// store was unreachable and the coordinator fails open ([Outcome.FailedOpen]).
 	FailedOpen int64
+	// RecordNotCompleted counts executions whose worker succeeded but whose record could
+	// not be completed ([Outcome.RecordNotCompleted]); they count in Executed too.
+	RecordNotCompleted int64
 }
 
 // Middleware is a River worker middleware ([rivertype.WorkerMiddleware]) that runs each job
@@ -293,7 +307,8 @@ type Stats struct {
 //     Otherwise: run the worker (doInner) while a heartbeat renews the lease for as long
 //     as it runs — also past JobTimeout and for jobs without a timeout — so the rescuer's
 //     duplicate finds it in progress rather than taking over.
-//  4. Worker returns nil: the record completes. Worker returns an error: the record is
+//  4. Worker returns nil: the record completes (when it cannot, the job completes all the
+//     same: [Outcome.RecordNotCompleted]). Worker returns an error: the record is
 //     released and the error returned unchanged (snooze and cancel errors included), so
 //     River retries. A [pgidem.Permanent] error is stored and the job cancelled. The
 //     heartbeat finding the lease lost cancels the worker's context with cause
@@ -312,7 +327,7 @@ type Middleware struct {
 
 	fallbackLogged sync.Map // kind -> struct{}: job-id fallback already logged
 	counts         struct {
-		executed, replayed, snoozed, released, cancelled, errors, skipped, waited, jobIDKeys, failedOpen atomic.Int64
+		executed, replayed, snoozed, released, cancelled, errors, skipped, waited, jobIDKeys, failedOpen, recordNotCompleted atomic.Int64
 	}
 }
 
@@ -382,7 +397,8 @@ func (m *Middleware) Stats() Stats {
 		Executed: c.executed.Load(), Replayed: c.replayed.Load(), Snoozed: c.snoozed.Load(),
 		Released: c.released.Load(), Cancelled: c.cancelled.Load(), Errors: c.errors.Load(),
 		Skipped: c.skipped.Load(), Waited: c.waited.Load(), JobIDKeys: c.jobIDKeys.Load(),
-		FailedOpen: c.failedOpen.Load(),
+		FailedOpen:         c.failedOpen.Load(),
+		RecordNotCompleted: c.recordNotCompleted.Load(),
 	}
 }
 
@@ -519,6 +535,9 @@ func (m *Middleware) record(out *Outcome) {
 	if out.FailedOpen {
 		c.failedOpen.Add(1)
 	}
+	if out.RecordNotCompleted {
+		c.recordNotCompleted.Add(1)
+	}
 }
 
 // effectRecord is the JSON stored as the record's result: which job performed the effect
@@ -632,11 +651,23 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	case errors.Is(err, pgidem.ErrPermanent):
 		out.Action = ActionCancelled
 		return river.JobCancel(err)
-	case succeeded || (ran && errors.Is(err, pgidem.ErrLeaseLost)):
-		// The worker succeeded but its record could not be completed (the store failed,
-		// or the lease was lost), or the lease was lost while it ran: nothing was
-		// released, and River's retry finds the reservation in progress until its lease
-		// ends.
+	case succeeded:
+		// The worker succeeded and its effect ran, but its record could not be completed
+		// (the store kept failing, or the lease was lost). A retry of this job would find
+		// the reservation in progress until its lease ends, then take it over and run the
+		// effect again, so the job completes. pgidem logged the store error or lost lease.
+		out.Action = ActionExecuted
+		out.RecordNotCompleted = true
+		out.Output = res.Value.Output
+		m.config.Logger.ErrorContext(ctx, "pgidemriver: job succeeded but its idempotency record could not be completed; "+
+			"the job completes, and a later job with the key takes the record over when its lease ends",
+			slog.Int64("job_id", job.ID), slog.String("job_kind", job.Kind),
+			slog.String("namespace", out.Namespace), slog.String("key", out.Key), slog.String("error", err.Error()))
+		return nil
+	case ran && errors.Is(err, pgidem.ErrLeaseLost):
+		// The lease was lost while the worker ran and the worker failed: nothing was
+		// released (the record is another holder's now), and River's retry replays or
+		// waits for that holder's outcome.
 		out.Action = ActionError
 		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
 	case ran:

@@ -423,10 +423,10 @@ CREATE TRIGGER fail_completion BEFORE UPDATE ON pgidem_record
 }
 
 // When the record cannot be completed after the worker ran, the middleware says so: a
-// successful worker is an error outcome (nothing was released; River retries and finds the
-// reservation in progress until its lease ends), and a permanent failure still cancels the
-// job but with an error saying the failure was not stored. Both used to be reported as if
-// the record had been written (released; cancelled with the worker's error alone).
+// successful worker is an executed outcome flagged RecordNotCompleted (the job completes;
+// nothing was released), and a permanent failure still cancels the job but with an error
+// saying the failure was not stored. Both used to be reported as if the record had been
+// written (released; cancelled with the worker's error alone).
 func TestFinishingWriteFails(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -435,12 +435,16 @@ func TestFinishingWriteFails(t *testing.T) {
 	mw.Register(InvoiceArgs{})
 
 	t.Run("WorkerSucceeded", func(t *testing.T) {
+		// The effect ran: the job completes (a retry would take the record over once its
+		// lease ends and run the effect again), flagged and counted.
 		err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":1}`), func(context.Context) error { return nil })
-		require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
-		require.True(t, strings.HasPrefix(err.Error(), "pgidemriver: "), err.Error())
-		out := outs.waitFor(t, pgidemriver.ActionError)
+		require.NoError(t, err)
+		out := outs.waitFor(t, pgidemriver.ActionExecuted)
 		require.Equal(t, "order-1.invoice", out.Key)
-		require.Zero(t, mw.Stats().Released)
+		require.True(t, out.RecordNotCompleted)
+		stats := mw.Stats()
+		require.Zero(t, stats.Released)
+		require.EqualValues(t, 1, stats.RecordNotCompleted)
 		rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-1.invoice")
 		require.NoError(t, err)
 		require.Equal(t, pgidem.StatusInProgress, rec.Status)
@@ -460,6 +464,44 @@ func TestFinishingWriteFails(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, pgidem.StatusInProgress, rec.Status)
 	})
+}
+
+// A store outage after the worker succeeded must not run the effect again through River's
+// retry: the job completes although its record could not be completed. It used to fail, and
+// each retry took the record over when its lease ended and ran the effect again (three
+// effects for one 3 s outage).
+func TestStoreOutageAfterTheEffect(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, err := b.db.Pool.Exec(b.ctx, `
+CREATE TABLE outage (until timestamptz NOT NULL);
+INSERT INTO outage VALUES ('-infinity');
+CREATE FUNCTION fail_completion() RETURNS trigger LANGUAGE plpgsql AS
+	$$BEGIN IF clock_timestamp() < (SELECT until FROM outage) THEN RAISE EXCEPTION 'injected outage'; END IF; RETURN NEW; END$$;
+CREATE TRIGGER fail_completion BEFORE UPDATE ON pgidem_record
+	FOR EACH ROW WHEN (NEW.status <> 'in_progress') EXECUTE FUNCTION fail_completion()`)
+	require.NoError(t, err)
+	mw, outs := b.newMiddleware(t, nil)
+	var first atomic.Bool
+	worker := &effectWorker[InvoiceArgs]{pool: b.db.Pool,
+		after: func(ctx context.Context, job *river.Job[InvoiceArgs]) error {
+			if first.CompareAndSwap(false, true) { // the store fails for longer than pgidem's finishing retries
+				_, err := b.db.Pool.Exec(context.WithoutCancel(ctx), `UPDATE outage SET until = clock_timestamp() + interval '3 seconds'`)
+				return err
+			}
+			return nil
+		}}
+	workers := river.NewWorkers()
+	pgidemriver.AddWorker(workers, mw, worker)
+	b.startClient(t, riverConfig(t, workers, mw))
+	id := b.insert(t, InvoiceArgs{OrderID: 1}, nil)
+	job := b.waitJob(t, id, rivertype.JobStateCompleted)
+	require.Equal(t, 1, job.Attempt, "River did not retry the job")
+	require.Equal(t, 1, b.effects(t), "the invoice was sent once")
+	require.True(t, outs.waitFor(t, pgidemriver.ActionExecuted).RecordNotCompleted)
+	rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-1.invoice")
+	require.NoError(t, err)
+	require.Equal(t, pgidem.StatusInProgress, rec.Status, "the record stays in progress until its lease ends")
 }
 
 // A worker that panics (River recovers the panic around the middleware chain) still gets

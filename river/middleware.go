@@ -290,9 +290,11 @@ type Stats struct {
 // it. Create it with [NewMiddleware] and register the pointer in river.Config.Middleware
 // (every worker) or return it from a worker's Middleware method (that worker only).
 // Register it once per job; registering it in both places (or two Middleware values) is
-// safe: an execution that already runs under a pgidemriver reservation for the same job
-// passes straight through to the worker, and only the outer registration reports an
-// [Outcome] and counts in [Stats].
+// safe: the outer registration decides (reserves the key, or skips an excluded kind), an
+// execution it already handles passes straight through the inner one to the worker, and
+// only the outer registration reports an [Outcome] and counts in [Stats]. River runs a
+// worker's own middleware outside the client's, so with two Middleware values the
+// worker's decides.
 //
 // Per execution, in order:
 //  1. Key: the args' [KeyArgs] key (decoded from the job's encoded args), else
@@ -473,12 +475,12 @@ func (m *Middleware) kind(kind string) *kindInfo {
 // Cancelling ctx (River's job context) before the worker runs returns a context error and
 // leaves no reservation; while the worker runs it cancels the worker's context.
 //
-// When ctx already carries a pgidemriver reservation for job — the middleware is
-// registered twice, globally and on the worker — Work calls doInner(ctx) directly and
-// reports nothing: the outer Work holds the reservation and reports the outcome. Safe for
-// concurrent use.
+// When ctx shows that an outer pgidemriver Work already handles job (holds its
+// reservation, or skipped its excluded kind) — the middleware is registered twice,
+// globally and on the worker — Work calls doInner(ctx) directly and reports nothing: the
+// outer Work reports the outcome. Safe for concurrent use.
 func (m *Middleware) Work(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
-	if id, ok := ctx.Value(reservedJobKey{}).(int64); ok && id == job.ID {
+	if id, ok := ctx.Value(handledJobKey{}).(int64); ok && id == job.ID {
 		return doInner(ctx)
 	}
 	out := &Outcome{Job: job}
@@ -548,9 +550,9 @@ type effectRecord struct {
 	Output  json.RawMessage `json:"output,omitempty"`
 }
 
-// reservedJobKey marks a context whose worker runs under a pgidemriver reservation; the
-// value is the job id (int64).
-type reservedJobKey struct{}
+// handledJobKey marks a context whose worker an outer pgidemriver Work handles (runs under
+// its reservation, or skipped as excluded); the value is the job id (int64).
+type handledJobKey struct{}
 
 // errReserveTimeout is the cause with which the reservation step is cancelled when it
 // exceeds its budget (Config.SQLTimeout, plus WaitTimeout under Wait).
@@ -560,7 +562,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	info := m.kind(job.Kind)
 	if m.exclude[job.Kind] || (info != nil && m.exclude[info.kind]) {
 		out.Action = ActionSkipped
-		return doInner(ctx)
+		return doInner(context.WithValue(ctx, handledJobKey{}, job.ID))
 	}
 	ttl, err := m.resolve(ctx, job, info, out)
 	if err != nil {
@@ -595,7 +597,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 			out.Action = ActionReleased // what a panicking worker comes to; replaced below otherwise
 			slot := &outputSlot{}
 			workCtx := context.WithValue(fnCtx, outputSlotKey{}, slot)
-			workCtx = context.WithValue(workCtx, reservedJobKey{}, job.ID)
+			workCtx = context.WithValue(workCtx, handledJobKey{}, job.ID)
 			if err := doInner(workCtx); err != nil {
 				return effectRecord{}, err
 			}

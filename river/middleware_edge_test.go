@@ -235,6 +235,24 @@ func TestDoubleRegistrationRunsOnce(t *testing.T) {
 		require.Len(t, out, 1)
 		require.Equal(t, pgidemriver.ActionExecuted, out[0].Action)
 	})
+
+	t.Run("ExcludedKind", func(t *testing.T) {
+		// A skipped kind is reported once too (it used to be reported by both).
+		t.Parallel()
+		b := setup(t)
+		mw, outs := b.newMiddleware(t, &pgidemriver.Config{ExcludeKinds: []string{"mail.invoice"}})
+		job := jobRow(1, "mail.invoice", `{"order_id":3}`)
+		var runs atomic.Int32
+		err := mw.Work(b.ctx, job, func(ctx context.Context) error {
+			return mw.Work(ctx, job, func(context.Context) error { runs.Add(1); return nil })
+		})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, runs.Load())
+		out := outs.list()
+		require.Len(t, out, 1, "only the outer registration reports")
+		require.Equal(t, pgidemriver.ActionSkipped, out[0].Action)
+		require.EqualValues(t, 1, mw.Stats().Skipped)
+	})
 }
 
 // selfMiddlewareWorker also returns the middleware from its Middleware method.

@@ -133,7 +133,8 @@ func (w *SweepWorker) Work(ctx context.Context, job *river.Job[SweepArgs]) error
 
 // SweepPeriodicJobOpts are optional settings for [NewSweepPeriodicJob]; nil means defaults.
 type SweepPeriodicJobOpts struct {
-	// Interval is the time between sweeps. Default [SweepIntervalDefault] (5 min).
+	// Interval is the time between sweeps, at least one second (River's shortest unique
+	// period, river.UniqueOpts.ByPeriod). Default [SweepIntervalDefault] (5 min).
 	Interval time.Duration
 	// Queue is the queue the sweep job is inserted in. Default river.QueueDefault.
 	Queue string
@@ -148,9 +149,16 @@ type SweepPeriodicJobOpts struct {
 // River's periodic enqueuer runs only on the elected leader, and the jobs are unique by
 // period (river.UniqueOpts.ByPeriod = interval), so a leader handover inside one period
 // does not insert a second sweep.
-func NewSweepPeriodicJob(opts *SweepPeriodicJobOpts) *river.PeriodicJob {
+//
+// It returns an error naming the field when Interval is negative or below one second:
+// River refuses a unique period that short when it inserts the job, so the leader would
+// log an error every period (continuously, for a negative interval) and never sweep.
+func NewSweepPeriodicJob(opts *SweepPeriodicJobOpts) (*river.PeriodicJob, error) {
 	if opts == nil {
 		opts = &SweepPeriodicJobOpts{}
+	}
+	if opts.Interval < 0 || (opts.Interval > 0 && opts.Interval < time.Second) {
+		return nil, fmt.Errorf("pgidemriver: SweepPeriodicJobOpts.Interval %s must be at least 1s (0 means the default %s)", opts.Interval, SweepIntervalDefault)
 	}
 	interval := cmp.Or(opts.Interval, SweepIntervalDefault)
 	queue := cmp.Or(opts.Queue, river.QueueDefault)
@@ -164,5 +172,5 @@ func NewSweepPeriodicJob(opts *SweepPeriodicJobOpts) *river.PeriodicJob {
 			}
 		},
 		&river.PeriodicJobOpts{ID: SweepKind, RunOnStart: !opts.RunOnStartDisabled},
-	)
+	), nil
 }

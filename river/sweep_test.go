@@ -40,7 +40,9 @@ func TestSweeper(t *testing.T) {
 		workers := river.NewWorkers()
 		river.AddWorker(workers, sweeper)
 		cfg := riverConfig(t, workers)
-		cfg.PeriodicJobs = []*river.PeriodicJob{pgidemriver.NewSweepPeriodicJob(nil)}
+		sweep, err := pgidemriver.NewSweepPeriodicJob(nil)
+		require.NoError(t, err)
+		cfg.PeriodicJobs = []*river.PeriodicJob{sweep}
 		return cfg
 	}
 	clientA := b.startClient(t, newClientConfig())
@@ -136,4 +138,34 @@ func TestMigrateRiverConcurrent(t *testing.T) {
 	existing, err := migrator.ExistingVersions(ctx)
 	require.NoError(t, err)
 	require.Len(t, existing, all)
+}
+
+// Invalid sweep settings are refused with an error naming the field, before a client
+// starts: a periodic interval under one second used to be accepted, and River then refused
+// every insert of the sweep (its shortest unique period is one second), logging an error
+// each period — continuously for a negative interval — without ever sweeping.
+func TestSweepSettingsValidated(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for _, interval := range []time.Duration{-time.Minute, -1, time.Nanosecond, 999 * time.Millisecond} {
+		job, err := pgidemriver.NewSweepPeriodicJob(&pgidemriver.SweepPeriodicJobOpts{Interval: interval})
+		require.ErrorContains(t, err, "SweepPeriodicJobOpts.Interval", "interval %s", interval)
+		require.Nil(t, job)
+	}
+	for _, interval := range []time.Duration{0, time.Second, time.Hour} {
+		job, err := pgidemriver.NewSweepPeriodicJob(&pgidemriver.SweepPeriodicJobOpts{Interval: interval})
+		require.NoError(t, err, "interval %s", interval)
+		require.NotNil(t, job)
+	}
+	for field, config := range map[string]*pgidemriver.SweepConfig{
+		"SweepConfig.BatchSize": {BatchSize: -1},
+		"SweepConfig.Pause":     {Pause: -2},
+		"SweepConfig.Timeout":   {Timeout: -1},
+	} {
+		worker, err := pgidemriver.NewSweepWorker(b.coord, config)
+		require.ErrorContains(t, err, field)
+		require.Nil(t, worker)
+	}
+	_, err := pgidemriver.NewSweepWorker(nil, nil)
+	require.Error(t, err)
 }

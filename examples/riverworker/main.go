@@ -250,7 +250,11 @@ func (d *demo) invoices(ctx context.Context) ([]Row, error) {
 	pgidemriver.AddWorker(workers, mw, &mailWorker[InvoiceArgs]{pool: d.pool, row: queue, coord: coord})
 	river.AddWorker(workers, sweeper)
 	config := clientConfig(queue, workers, mw)
-	config.PeriodicJobs = []*river.PeriodicJob{pgidemriver.NewSweepPeriodicJob(&pgidemriver.SweepPeriodicJobOpts{Queue: queue})}
+	sweep, err := pgidemriver.NewSweepPeriodicJob(&pgidemriver.SweepPeriodicJobOpts{Queue: queue})
+	if err != nil {
+		return nil, err
+	}
+	config.PeriodicJobs = []*river.PeriodicJob{sweep}
 	for _, warning := range mw.CheckTTL(ctx, config) {
 		fmt.Fprintf(d.w, "  TTL warning: %s ttl=%s horizon=%s\n", warning.Kind, warning.TTL, warning.Horizon)
 	}

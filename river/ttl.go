@@ -20,6 +20,9 @@ const (
 	CompletedJobRetentionDefault = 24 * time.Hour
 	// CancelledJobRetentionDefault is River's default CancelledJobRetentionPeriod (24 h).
 	CancelledJobRetentionDefault = 24 * time.Hour
+	// RescueStuckJobsAfterDefault is River's default RescueStuckJobsAfter (1 h); River adds
+	// the client's JobTimeout to it when JobTimeout is set and RescueStuckJobsAfter is not.
+	RescueStuckJobsAfterDefault = time.Hour
 )
 
 // HorizonInfinite is the horizon [Middleware.CheckTTL] reports when River keeps finished
@@ -35,6 +38,11 @@ type TTLWarning struct {
 	TTL time.Duration
 	// MaxAttempts is the kind's max attempts (the args' InsertOpts, else the client's).
 	MaxAttempts int
+	// Rescue is how long River's rescuer waits before it retries a job still running:
+	// the client's RescueStuckJobsAfter, else [RescueStuckJobsAfterDefault] plus its
+	// JobTimeout. A job whose effect completed but whose completion River lost (a crash
+	// after the worker returned) is redelivered that much later.
+	Rescue time.Duration
 	// Retries is the longest total delay of River's retry schedule across MaxAttempts
 	// ([RetryHorizon]).
 	Retries time.Duration
@@ -44,21 +52,22 @@ type TTLWarning struct {
 	// CompletedRetention is the longer of how long River keeps a completed and a cancelled
 	// job, during which river.Client.JobRetry can run it again by hand (it then replays
 	// the record while the record lasts); [HorizonInfinite] when kept forever. It counts
-	// from the job's end, as the record's TTL counts from the effect's completion.
+	// from the job's end, which can come Rescue + Retries after the effect.
 	CompletedRetention time.Duration
-	// Horizon is the larger of Retries + DiscardedRetention and CompletedRetention, or
-	// [HorizonInfinite].
+	// Horizon is Rescue + Retries + the longer of DiscardedRetention and
+	// CompletedRetention, or [HorizonInfinite].
 	Horizon time.Duration
 }
 
 // CheckTTL compares the record TTL of every job kind registered with m ([AddWorker],
-// [Middleware.Register]) with its redelivery horizon under riverConfig — River's retry
+// [Middleware.Register]) with its redelivery horizon under riverConfig, and logs a warning
+// for each kind whose TTL is shorter. The horizon is how long after the effect completed a
+// delivery of the same job can still come: the rescuer's delay for a job whose completion
+// River lost (riverConfig.RescueStuckJobsAfter, [TTLWarning.Rescue]), plus River's retry
 // schedule across the kind's MaxAttempts ([RetryHorizon], with riverConfig.RetryPolicy),
-// plus riverConfig.DiscardedJobRetentionPeriod, during which a discarded job can still be
-// retried by hand; and at least the completed and cancelled job retention periods, during
-// which River's JobRetry can run a finished job again — and logs a warning for each kind
-// whose TTL is shorter. It returns the
-// warnings, sorted by kind; none means every registered kind is covered.
+// plus the longest time River then keeps the finished job, during which River's JobRetry
+// can run it again by hand: the discarded, completed and cancelled job retention periods.
+// It returns the warnings, sorted by kind; none means every registered kind is covered.
 //
 // [NewClient] runs it when it creates the client. Otherwise call it with the river.Config
 // you pass to river.NewClient, before Client.Start: River v0.51 has no hook that runs when
@@ -66,11 +75,13 @@ type TTLWarning struct {
 // HookPeriodicJobsStart runs only on the leader), so the middleware cannot run the check
 // by itself. It does not touch the database.
 //
-// The horizon is deliberately conservative: it assumes every attempt before the last
-// could be the one whose completion River lost. With River's defaults (25 attempts, about
-// 3 weeks of retries, 7 days of discarded retention) it is about a month, longer than
-// [TTLDefault]: give effect jobs fewer attempts, a longer TTL ([TTLArgs], [Config.TTL]),
-// or a shorter discarded retention. A worker that overrides NextRetry is not seen.
+// The horizon is deliberately conservative: it assumes the effect completed in the first
+// attempt, River lost that completion, and every later attempt failed. With River's
+// defaults (1 h to rescue, 25 attempts over about 3 weeks, 7 days of discarded retention)
+// it is about a month, longer than [TTLDefault]: give effect jobs fewer attempts, a longer
+// TTL ([TTLArgs], [Config.TTL]), or shorter retention periods. Even one attempt with
+// River's default retention (24 h for completed jobs) needs a TTL above 25 h. A worker
+// that overrides NextRetry is not seen.
 func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []TTLWarning {
 	if riverConfig == nil {
 		riverConfig = &river.Config{}
@@ -90,6 +101,10 @@ func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []
 	retention := retentionOrDefault(riverConfig.DiscardedJobRetentionPeriod, DiscardedJobRetentionDefault)
 	completed := max(retentionOrDefault(riverConfig.CompletedJobRetentionPeriod, CompletedJobRetentionDefault),
 		retentionOrDefault(riverConfig.CancelledJobRetentionPeriod, CancelledJobRetentionDefault))
+	rescue := riverConfig.RescueStuckJobsAfter
+	if rescue <= 0 { // as River's client does
+		rescue = RescueStuckJobsAfterDefault + max(riverConfig.JobTimeout, 0)
+	}
 
 	var warnings []TTLWarning
 	for _, info := range infos {
@@ -109,14 +124,11 @@ func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []
 			maxAttempts = river.MaxAttemptsDefault
 		}
 		retries := RetryHorizon(riverConfig.RetryPolicy, maxAttempts)
-		horizon := HorizonInfinite
-		if retention != HorizonInfinite && retries < HorizonInfinite-retention {
-			horizon = max(retries+retention, completed)
-		}
+		horizon := saturatingSum(rescue, retries, max(retention, completed))
 		if ttl >= horizon {
 			continue
 		}
-		w := TTLWarning{Kind: kind, TTL: ttl, MaxAttempts: maxAttempts, Retries: retries,
+		w := TTLWarning{Kind: kind, TTL: ttl, MaxAttempts: maxAttempts, Rescue: rescue, Retries: retries,
 			DiscardedRetention: retention, CompletedRetention: completed, Horizon: horizon}
 		warnings = append(warnings, w)
 		horizonText := "infinite (finished jobs are kept forever)"
@@ -126,11 +138,23 @@ func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []
 		m.config.Logger.WarnContext(ctx, "pgidemriver: record TTL is shorter than River's redelivery horizon; "+
 			"a late retry or a job retried by hand would run the effect again",
 			slog.String("job_kind", kind), slog.Duration("ttl", ttl), slog.Int("max_attempts", maxAttempts),
-			slog.Duration("retries", retries.Round(time.Second)),
+			slog.Duration("rescue", rescue), slog.Duration("retries", retries.Round(time.Second)),
 			slog.Duration("discarded_retention", retention), slog.Duration("completed_retention", completed),
 			slog.String("horizon", horizonText))
 	}
 	return warnings
+}
+
+// saturatingSum adds durations, saturating at [HorizonInfinite].
+func saturatingSum(ds ...time.Duration) time.Duration {
+	var total time.Duration
+	for _, d := range ds {
+		if d >= HorizonInfinite-total {
+			return HorizonInfinite
+		}
+		total += d
+	}
+	return total
 }
 
 // retentionOrDefault reads a river.Config retention period: 0 means River's default, a
@@ -151,31 +175,26 @@ func retentionOrDefault(set, def time.Duration) time.Duration {
 // delay after the n-th failure is n⁴ seconds with up to 10 % jitter either way (River
 // v0.51, retry_policy.go); the upper bound of the jitter is used. Another policy is asked
 // through NextRetry for a job with n-1 recorded errors, once per attempt up to
-// [RetryHorizonPolicyCalls] attempts; beyond them each further attempt is counted at the
-// last delay the policy gave (a policy's delays usually grow to a cap). Saturates at
-// [HorizonInfinite].
+// [RetryHorizonPolicyCalls] attempts; a time before the call counts at the default
+// schedule's delay, as River then uses its default policy. Beyond those attempts each
+// further attempt is counted at the last delay (a policy's delays usually grow to a cap).
+// Saturates at [HorizonInfinite].
 func RetryHorizon(policy river.ClientRetryPolicy, maxAttempts int) time.Duration {
 	var total time.Duration
-	add := func(d time.Duration) {
-		if d > 0 {
-			if total > HorizonInfinite-d {
-				total = HorizonInfinite
-				return
-			}
-			total += d
+	add := func(d time.Duration) { total = saturatingSum(total, max(d, 0)) }
+	defaultDelay := func(n int) time.Duration {
+		seconds := math.Pow(float64(n), 4) * 1.1
+		if seconds >= HorizonInfinite.Seconds() {
+			return HorizonInfinite
 		}
+		return time.Duration(seconds * float64(time.Second))
 	}
 	_, isDefault := policy.(*river.DefaultClientRetryPolicy)
 	var errs []rivertype.AttemptError // grown once, resliced per attempt
 	var last time.Duration
 	for n := 1; n < maxAttempts && total < HorizonInfinite; n++ {
 		if policy == nil || isDefault {
-			seconds := math.Pow(float64(n), 4) * 1.1
-			if seconds >= HorizonInfinite.Seconds() {
-				add(HorizonInfinite)
-				continue
-			}
-			add(time.Duration(seconds * float64(time.Second)))
+			add(defaultDelay(n))
 			continue
 		}
 		if n > RetryHorizonPolicyCalls {
@@ -196,6 +215,9 @@ func RetryHorizon(policy river.ClientRetryPolicy, maxAttempts int) time.Duration
 		job := &rivertype.JobRow{Attempt: n, AttemptedAt: &now, MaxAttempts: maxAttempts,
 			Errors: errs[: n-1 : n-1], State: rivertype.JobStateRunning}
 		last = policy.NextRetry(job).Sub(now)
+		if last < 0 {
+			last = defaultDelay(n)
+		}
 		add(last)
 	}
 	return total

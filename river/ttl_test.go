@@ -66,13 +66,43 @@ func TestCheckTTL(t *testing.T) {
 	require.Equal(t, river.MaxAttemptsDefault, warnings[0].MaxAttempts)
 	require.Equal(t, pgidemriver.DiscardedJobRetentionDefault, warnings[0].DiscardedRetention)
 	require.Equal(t, pgidemriver.CompletedJobRetentionDefault, warnings[0].CompletedRetention)
-	require.Equal(t, warnings[0].Retries+warnings[0].DiscardedRetention, warnings[0].Horizon)
+	require.Equal(t, pgidemriver.RescueStuckJobsAfterDefault, warnings[0].Rescue)
+	require.Equal(t, warnings[0].Rescue+warnings[0].Retries+warnings[0].DiscardedRetention, warnings[0].Horizon)
 	require.Equal(t, "report.weekly", warnings[1].Kind)
 	require.Equal(t, 3, warnings[1].MaxAttempts)
 	require.Equal(t, 7*24*time.Hour, warnings[1].TTL)
 
-	// Few attempts and a short discarded retention: both kinds covered.
-	require.Empty(t, mw.CheckTTL(ctx, &river.Config{MaxAttempts: 5, DiscardedJobRetentionPeriod: 12 * time.Hour}))
+	// Few attempts and short retention periods: both kinds covered.
+	short := &river.Config{MaxAttempts: 5, DiscardedJobRetentionPeriod: 12 * time.Hour,
+		CompletedJobRetentionPeriod: 12 * time.Hour, CancelledJobRetentionPeriod: 12 * time.Hour}
+	require.Empty(t, mw.CheckTTL(ctx, short))
+
+	// A completed job is kept (and can be retried by hand) for its retention counted from
+	// its end, which comes after the rescuer's delay when River lost the completion: 24 h
+	// of completed retention is not covered by a 24 h TTL, even with short retries.
+	warnings = mw.CheckTTL(ctx, &river.Config{MaxAttempts: 5, DiscardedJobRetentionPeriod: 12 * time.Hour})
+	require.Len(t, warnings, 1)
+	require.Equal(t, "mail.invoice", warnings[0].Kind)
+	require.Equal(t, time.Hour+warnings[0].Retries+24*time.Hour, warnings[0].Horizon)
+
+	// The rescuer's delay is River's: RescueStuckJobsAfter, else an hour plus JobTimeout.
+	// A record that outlives the retention alone, but not the rescue before it, warns.
+	month := 30 * 24 * time.Hour
+	mw30, err := pgidemriver.NewMiddleware(coord, &pgidemriver.Config{TTL: month, Logger: testLogger(t)})
+	require.NoError(t, err)
+	mw30.Register(InvoiceArgs{})
+	warnings = mw30.CheckTTL(ctx, &river.Config{MaxAttempts: 2, RescueStuckJobsAfter: 48 * time.Hour,
+		CompletedJobRetentionPeriod: month, DiscardedJobRetentionPeriod: time.Hour})
+	require.Len(t, warnings, 1)
+	require.Equal(t, 48*time.Hour, warnings[0].Rescue)
+	require.Equal(t, 48*time.Hour+warnings[0].Retries+month, warnings[0].Horizon)
+	warnings = mw30.CheckTTL(ctx, &river.Config{MaxAttempts: 2, JobTimeout: 2 * time.Hour,
+		CompletedJobRetentionPeriod: month - 2*time.Hour, DiscardedJobRetentionPeriod: time.Hour})
+	require.Len(t, warnings, 1)
+	require.Equal(t, 3*time.Hour, warnings[0].Rescue)
+	require.Empty(t, mw30.CheckTTL(ctx, &river.Config{MaxAttempts: 2, JobTimeout: -1,
+		CompletedJobRetentionPeriod: month - 2*time.Hour, DiscardedJobRetentionPeriod: time.Hour}),
+		"no job timeout: River's rescuer waits its default hour")
 
 	// Discarded jobs kept forever can be retried by hand forever.
 	warnings = mw.CheckTTL(ctx, &river.Config{MaxAttempts: 5, DiscardedJobRetentionPeriod: -1})
@@ -86,10 +116,10 @@ func TestCheckTTL(t *testing.T) {
 	require.Len(t, warnings, 2)
 	require.Equal(t, pgidemriver.HorizonInfinite, warnings[0].Horizon)
 	warnings = mw.CheckTTL(ctx, &river.Config{MaxAttempts: 5, DiscardedJobRetentionPeriod: 12 * time.Hour,
-		CancelledJobRetentionPeriod: 30 * 24 * time.Hour})
+		CancelledJobRetentionPeriod: month})
 	require.Len(t, warnings, 2)
-	require.Equal(t, 30*24*time.Hour, warnings[0].CompletedRetention)
-	require.Equal(t, 30*24*time.Hour, warnings[0].Horizon)
+	require.Equal(t, month, warnings[0].CompletedRetention)
+	require.Equal(t, time.Hour+warnings[0].Retries+month, warnings[0].Horizon)
 }
 
 // A custom retry policy is asked at most RetryHorizonPolicyCalls times; a huge MaxAttempts
@@ -100,7 +130,9 @@ func TestRetryHorizonHugeMaxAttempts(t *testing.T) {
 	got := pgidemriver.RetryHorizon(constantPolicy(time.Hour), 1_000_000)
 	require.InDelta(t, float64(999_999), got.Hours(), 1)
 	require.Equal(t, pgidemriver.HorizonInfinite, pgidemriver.RetryHorizon(constantPolicy(time.Hour), math.MaxInt))
-	require.Zero(t, pgidemriver.RetryHorizon(constantPolicy(-time.Second), math.MaxInt), "past retries add nothing")
+	// River replaces a retry time in the past with its default policy's.
+	require.Equal(t, pgidemriver.RetryHorizon(nil, 25), pgidemriver.RetryHorizon(constantPolicy(-time.Second), 25))
+	require.Equal(t, pgidemriver.HorizonInfinite, pgidemriver.RetryHorizon(constantPolicy(-time.Second), math.MaxInt))
 }
 
 func TestNewClientChecksTTL(t *testing.T) {

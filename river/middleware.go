@@ -418,17 +418,28 @@ func AddWorker[T river.JobArgs](workers *river.Workers, m *Middleware, worker ri
 // to find the [KeyArgs] key and includes them in [Middleware.CheckTTL]. Jobs of a kind
 // alias take the canonical kind as their default namespace ([NamespaceArgs]) and are
 // excluded when the canonical kind is in [Config.ExcludeKinds]. Registering a kind again
-// replaces the earlier type. Call it before the client starts; safe for
-// concurrent use.
+// replaces the earlier type. A [TTLArgs] TTL the coordinator refuses (below
+// [pgidem.Config.MinTTL], or not longer than its lease) is logged at error: every job of
+// the kind would fail with [pgidem.ErrInvalidTTL] before its worker runs. Call it before
+// the client starts; safe for concurrent use. It panics on a nil args value, as
+// river.AddWorker does on a nil worker.
 func (m *Middleware) Register(args ...river.JobArgs) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, a := range args {
+		if a == nil {
+			panic("pgidemriver: Register: nil job args")
+		}
 		typ := reflect.TypeOf(a)
 		info := &kindInfo{args: a, kind: a.Kind(), typ: typ, source: typ.String()}
 		_, info.keyed = implementation[KeyArgs](a)
 		if t, ok := implementation[TTLArgs](a); ok {
 			info.ttl = max(t.IdempotencyTTL(), 0)
+			if cc := m.coord.Config(); info.ttl > 0 && (info.ttl < cc.MinTTL || info.ttl <= cc.Lease) {
+				m.config.Logger.Error("pgidemriver: IdempotencyTTL is refused by the coordinator; every job of the kind will fail before its worker runs",
+					slog.String("job_kind", info.kind), slog.Duration("ttl", info.ttl),
+					slog.Duration("min_ttl", cc.MinTTL), slog.Duration("lease", cc.Lease))
+			}
 		}
 		kinds := []string{a.Kind()}
 		if aliased, ok := a.(river.JobArgsWithKindAliases); ok { // by value, as River's AddWorker

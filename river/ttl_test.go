@@ -26,6 +26,13 @@ func (WeeklyArgs) IdempotencyKey() string        { return "week" }
 func (WeeklyArgs) IdempotencyTTL() time.Duration { return 7 * 24 * time.Hour }
 func (WeeklyArgs) InsertOpts() river.InsertOpts  { return river.InsertOpts{MaxAttempts: 3} }
 
+// ShortTTLArgs ask for a TTL the coordinator refuses (below its one-minute MinTTL).
+type ShortTTLArgs struct{}
+
+func (ShortTTLArgs) Kind() string                  { return "report.short" }
+func (ShortTTLArgs) IdempotencyKey() string        { return "short" }
+func (ShortTTLArgs) IdempotencyTTL() time.Duration { return 30 * time.Second }
+
 type constantPolicy time.Duration
 
 func (p constantPolicy) NextRetry(*rivertype.JobRow) time.Time {
@@ -154,4 +161,25 @@ func TestNewClientChecksTTL(t *testing.T) {
 	require.NotNil(t, client)
 	require.Contains(t, logs.String(), "record TTL is shorter than River's redelivery horizon")
 	require.Contains(t, logs.String(), "job_kind=mail.invoice")
+}
+
+// Register says at once when a kind's TTLArgs TTL is one the coordinator refuses, rather
+// than leaving every job of the kind to fail; it panics with a clear message on nil args.
+func TestRegisterRefusedTTL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, "postgres://127.0.0.1:1/none") // never connects
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	coord, err := pgidem.NewCoordinator(pool, nil)
+	require.NoError(t, err)
+	var logs bytes.Buffer
+	mw, err := pgidemriver.NewMiddleware(coord, &pgidemriver.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	require.NoError(t, err)
+	mw.Register(WeeklyArgs{})
+	require.Empty(t, logs.String())
+	mw.Register(ShortTTLArgs{})
+	require.Contains(t, logs.String(), "level=ERROR")
+	require.Contains(t, logs.String(), "job_kind=report.short")
+	require.PanicsWithValue(t, "pgidemriver: Register: nil job args", func() { mw.Register(nil) })
 }

@@ -65,7 +65,9 @@
 // runs the worker again; snooze and cancel errors pass through as they are. A
 // [pgidem.Permanent] error is stored, and this and later jobs with the key are cancelled.
 // An invalid key fails the job loudly without running the worker: an unstorable key never
-// means an unprotected effect.
+// means an unprotected effect. A worker that succeeded completes its job even when the
+// store then fails to complete its record (logged at error, [Outcome.RecordNotCompleted]):
+// the effect ran, and retrying the job would run it again once the lease ends.
 //
 // # Database effects: WorkTx
 //

@@ -16,10 +16,15 @@
 //
 // # Schema
 //
-// Objects are created in the first schema of the connection's search_path. To use another
-// schema, open the database with [OpenDB] and a schema name (or put search_path in the
-// connection string) and set [Opts.Schema]; Up creates the schema when it is missing and
-// refuses to run when the connection would put the tables anywhere else.
+// Objects are created in the connection's current schema: the first existing schema of its
+// search_path. To use another schema, open the database with [OpenDB] and a schema name (or
+// put search_path in the connection string) and set [Opts.Schema]; Up creates the schema
+// when it is missing and refuses to run when the connection would put the tables anywhere
+// else. Down and Status never create a schema: for a missing one they return an error.
+//
+// Without Opts.Schema, every function refuses to run when pgidem is installed in another
+// schema of the search_path than the current one, instead of installing it a second time
+// (see [NewProvider]).
 package migrations
 
 import (
@@ -30,6 +35,7 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -74,23 +80,62 @@ func FS() fs.FS {
 // Opts are optional settings for [NewProvider], [Up], [Down] and [Status]. A nil *Opts
 // means all defaults.
 type Opts struct {
-	// Schema, when non-empty, is the schema pgidem's tables and version table live in. Up
-	// creates it if it does not exist. The connections of the *sql.DB must already have it
-	// as their current schema (see [OpenDB]); otherwise every function returns an error
-	// instead of creating the tables elsewhere.
+	// Schema, when non-empty, is the schema pgidem's tables and version table live in. It
+	// must be a valid Postgres identifier: at most [SchemaMaxLen] bytes (Postgres would
+	// silently truncate a longer name), no NUL byte, not only white space; otherwise every
+	// function returns an error. It is quoted, so any other name works (mixed case,
+	// spaces). The connections of the *sql.DB must already have it as their current schema
+	// (see [OpenDB]); otherwise every function returns an error instead of creating the
+	// tables elsewhere.
 	//
-	// Default: "", the first schema of the connection's search_path (usually public).
+	// Only [Up] creates the schema when it is missing. [NewProvider], [Down] and [Status]
+	// return an error for a schema that does not exist, so a mistyped name is reported
+	// instead of created.
+	//
+	// Default: "", the current schema of the connection: the first existing schema of its
+	// search_path (usually public).
 	Schema string
 
 	// Logger receives goose's progress messages. Default: nil, which discards them.
 	Logger *slog.Logger
 }
 
+// SchemaMaxLen is the longest schema name, in bytes, that [Opts.Schema] and [OpenDB]
+// accept: Postgres's identifier limit (NAMEDATALEN - 1). Postgres truncates longer names.
+const SchemaMaxLen = 63
+
+// checkSchemaName returns an error when schema cannot be used as a schema name as given.
+// The empty string (the default schema) is valid.
+func checkSchemaName(field, schema string) error {
+	switch {
+	case schema == "":
+		return nil
+	case len(schema) > SchemaMaxLen:
+		return fmt.Errorf("pgidem: migrations: %s %q is %d bytes long; Postgres truncates identifiers to %d bytes", field, schema, len(schema), SchemaMaxLen)
+	case strings.ContainsRune(schema, 0):
+		return fmt.Errorf("pgidem: migrations: %s %q contains a NUL byte", field, schema)
+	case strings.TrimSpace(schema) == "":
+		return fmt.Errorf("pgidem: migrations: %s %q is only white space", field, schema)
+	}
+	return nil
+}
+
 // OpenDB opens a database/sql handle through pgx's stdlib adapter for connString (a URL or
 // keyword/value string; "" means libpq's PG* environment variables). When schema is
 // non-empty every connection uses it as its search_path, which is what [Opts.Schema]
-// requires. The caller closes the returned *sql.DB.
+// requires; schema follows the rules of [Opts.Schema], and an invalid one is an error.
+//
+// Every connection also sets the session time zone to UTC, replacing any timezone in
+// connString or in the database's or role's settings: goose records when a migration was
+// applied in a timestamp without time zone, written with now() in the session's time zone
+// and read back as UTC (see [Status]).
+//
+// OpenDB does not connect; the first operation does. The caller closes the returned
+// *sql.DB.
 func OpenDB(connString, schema string) (*sql.DB, error) {
+	if err := checkSchemaName("schema", schema); err != nil {
+		return nil, err
+	}
 	cfg, err := pgx.ParseConfig(connString)
 	if err != nil {
 		return nil, fmt.Errorf("pgidem: migrations: parse connection string: %w", err)
@@ -98,13 +143,34 @@ func OpenDB(connString, schema string) (*sql.DB, error) {
 	if schema != "" {
 		cfg.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
 	}
+	for name := range cfg.RuntimeParams {
+		if strings.EqualFold(name, "timezone") {
+			delete(cfg.RuntimeParams, name)
+		}
+	}
+	cfg.RuntimeParams["timezone"] = "UTC"
 	return stdlib.OpenDB(*cfg), nil
 }
 
 // NewProvider returns a goose provider for pgidem's migrations on db, configured with
 // [VersionTable], [LockID] and goose's global registry disabled. Use it for operations the
-// package functions do not wrap (UpTo, DownTo, ApplyVersion). It returns an error when
-// Opts.Schema is set and is not db's current schema.
+// package functions do not wrap (UpTo, DownTo, ApplyVersion). Cancelling ctx stops its
+// checks.
+//
+// NewProvider queries db to check where pgidem is installed, and returns an error (creating
+// nothing) when:
+//   - Opts.Schema is invalid (see [Opts.Schema]);
+//   - Opts.Schema names a schema that does not exist (only [Up] creates it);
+//   - Opts.Schema is set and is not db's current schema;
+//   - Opts.Schema is empty and pgidem's version table is missing from db's current schema
+//     but exists in another schema on its search_path: pgidem is installed there, and
+//     migrating the current schema would install it a second time (as happens when a
+//     schema named after the role appears in front of public on the default search_path
+//     "$user", public). The error names that schema; pass it as Opts.Schema and to
+//     [OpenDB].
+//
+// Like goose's own provider, the returned provider creates [VersionTable] in the current
+// schema on its first operation, Status and version queries included.
 func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, error) {
 	if db == nil {
 		return nil, errors.New("pgidem: migrations: db is nil")
@@ -112,10 +178,15 @@ func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, 
 	if opts == nil {
 		opts = &Opts{}
 	}
+	if err := checkSchemaName("Opts.Schema", opts.Schema); err != nil {
+		return nil, err
+	}
 	if opts.Schema != "" {
-		if err := ensureSchema(ctx, db, opts.Schema); err != nil {
+		if err := checkSchema(ctx, db, opts.Schema); err != nil {
 			return nil, err
 		}
+	} else if err := checkNotInstalledElsewhere(ctx, db); err != nil {
+		return nil, err
 	}
 	locker, err := lock.NewPostgresSessionLocker(
 		lock.WithLockID(LockID),
@@ -139,26 +210,129 @@ func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, 
 	return provider, nil
 }
 
-// ensureSchema creates schema if needed and checks that it is db's current schema.
-func ensureSchema(ctx context.Context, db *sql.DB, schema string) error {
-	if _, err := db.ExecContext(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{schema}.Sanitize()); err != nil {
+// wrongSchemaError is the error for a connection whose current schema is not Opts.Schema.
+func wrongSchemaError(schema string, current sql.NullString) error {
+	return fmt.Errorf("pgidem: migrations: Opts.Schema is %q but the connection's current schema is %q; open the database with migrations.OpenDB(connString, %q) or set search_path in the connection string", schema, current.String, schema)
+}
+
+// checkSchema checks that schema exists and is db's current schema.
+func checkSchema(ctx context.Context, db *sql.DB, schema string) error {
+	var (
+		exists  bool
+		current sql.NullString
+	)
+	err := db.QueryRowContext(ctx,
+		"SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1), current_schema()",
+		schema).Scan(&exists, &current)
+	if err != nil {
+		return fmt.Errorf("pgidem: migrations: read current schema: %w", err)
+	}
+	if !exists {
+		return fmt.Errorf("pgidem: migrations: schema %q does not exist, so pgidem is not installed there; Up (pgidem migrate up) creates it", schema)
+	}
+	if current.String != schema {
+		return wrongSchemaError(schema, current)
+	}
+	return nil
+}
+
+// installedElsewhereSQL finds the first schema on the search_path, other than the current
+// schema, that holds pgidem's version table ($1) when the current schema does not; it
+// returns no row when there is none.
+const installedElsewhereSQL = `
+SELECT n.nspname, current_schema()
+FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relname = $1 AND c.relkind IN ('r', 'p')
+  AND n.nspname = ANY (current_schemas(false))
+  AND n.nspname IS DISTINCT FROM current_schema()
+  AND NOT EXISTS (
+	SELECT 1 FROM pg_catalog.pg_class c2 JOIN pg_catalog.pg_namespace n2 ON n2.oid = c2.relnamespace
+	WHERE c2.relname = $1 AND n2.nspname = current_schema())
+ORDER BY array_position(current_schemas(false), n.nspname)
+LIMIT 1`
+
+// checkNotInstalledElsewhere returns an error when pgidem's version table is not in db's
+// current schema but is in another schema of its search_path (see [NewProvider]).
+func checkNotInstalledElsewhere(ctx context.Context, db *sql.DB) error {
+	var (
+		schema  string
+		current sql.NullString
+	)
+	err := db.QueryRowContext(ctx, installedElsewhereSQL, VersionTable).Scan(&schema, &current)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("pgidem: migrations: look for pgidem's version table on the search_path: %w", err)
+	}
+	return fmt.Errorf("pgidem: migrations: pgidem is installed in schema %q (table %s), which is on the search_path, but the connection's current schema is %q, where it is not: migrating would install pgidem a second time; point at the installation with Opts.Schema %q and migrations.OpenDB(connString, %q) (pgidem --schema %s)",
+		schema, pgx.Identifier{schema, VersionTable}.Sanitize(), current.String, schema, schema, pgx.Identifier{schema}.Sanitize())
+}
+
+// createSchema creates schema if it does not exist and checks that it is db's current
+// schema, in one transaction: when it is not, the transaction rolls back and nothing is
+// created. The transaction first takes [LockID] as a transaction lock, so concurrent
+// callers create the schema one after the other (CREATE SCHEMA IF NOT EXISTS alone fails
+// with a unique violation when two run at once); it is released at commit, before goose
+// takes the same id as a session lock. It waits for the lock at most as long as goose
+// does ([LockRetryAttempts] × [LockRetryPeriodSeconds]).
+func createSchema(ctx context.Context, db *sql.DB, schema string) (err error) {
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("pgidem: migrations: create schema %q: begin: %w", schema, err)
+	}
+	defer func() {
+		if err != nil {
+			_ = tx.Rollback()
+		}
+	}()
+	lockTimeout := fmt.Sprintf("SET LOCAL lock_timeout = '%ds'", LockRetryAttempts*LockRetryPeriodSeconds)
+	if _, err := tx.ExecContext(ctx, lockTimeout); err != nil {
 		return fmt.Errorf("pgidem: migrations: create schema %q: %w", schema, err)
 	}
+	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", LockID); err != nil {
+		return fmt.Errorf("pgidem: migrations: create schema %q: lock: %w", schema, err)
+	}
+	// CREATE SCHEMA checks the CREATE privilege on the database even when the schema
+	// exists: look first, so a role without it can migrate an existing schema.
+	var exists bool
+	if err := tx.QueryRowContext(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)", schema).Scan(&exists); err != nil {
+		return fmt.Errorf("pgidem: migrations: create schema %q: %w", schema, err)
+	}
+	if !exists {
+		if _, err := tx.ExecContext(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{schema}.Sanitize()); err != nil {
+			return fmt.Errorf("pgidem: migrations: create schema %q: %w", schema, err)
+		}
+	}
 	var current sql.NullString
-	if err := db.QueryRowContext(ctx, "SELECT current_schema()").Scan(&current); err != nil {
+	if err := tx.QueryRowContext(ctx, "SELECT current_schema()").Scan(&current); err != nil {
 		return fmt.Errorf("pgidem: migrations: read current schema: %w", err)
 	}
 	if current.String != schema {
-		return fmt.Errorf("pgidem: migrations: Opts.Schema is %q but the connection's current schema is %q; open the database with migrations.OpenDB(connString, %q) or set search_path in the connection string", schema, current.String, schema)
+		return wrongSchemaError(schema, current)
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("pgidem: migrations: create schema %q: commit: %w", schema, err)
 	}
 	return nil
 }
 
 // Up applies every pending pgidem migration, holding [LockID] so concurrent callers (two
-// deploys starting at once) all succeed and each migration is applied once. It returns the
-// migrations this call applied (none when the schema is current). Cancelling ctx stops
-// between statements; a migration interrupted mid-way is rolled back by its transaction.
+// deploys starting at once) all succeed and each migration is applied once. With
+// [Opts.Schema] set it first creates that schema if it does not exist, under the same lock
+// id; when the connection's current schema is not Opts.Schema it returns an error and
+// creates nothing. It returns the errors of [NewProvider] too. It returns the migrations
+// this call applied (none when the schema is current). Cancelling ctx stops between
+// statements; a migration interrupted mid-way is rolled back by its transaction.
 func Up(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, error) {
+	if db != nil && opts != nil && opts.Schema != "" {
+		if err := checkSchemaName("Opts.Schema", opts.Schema); err != nil {
+			return nil, err
+		}
+		if err := createSchema(ctx, db, opts.Schema); err != nil {
+			return nil, err
+		}
+	}
 	provider, err := NewProvider(ctx, db, opts)
 	if err != nil {
 		return nil, err
@@ -171,8 +345,10 @@ func Up(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, 
 }
 
 // Down rolls back every applied pgidem migration, removing all of pgidem's tables (records
-// and their data included) and leaving only the empty version table. It holds [LockID]
-// like [Up]. Use [NewProvider] and DownTo to roll back part of the way.
+// and their data included). It leaves the version table, holding only goose's initial
+// version-0 row, and the schema. It holds [LockID] like [Up], and returns the errors of
+// [NewProvider] (a missing Opts.Schema among them). Use [NewProvider] and DownTo to roll
+// back part of the way.
 func Down(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, error) {
 	provider, err := NewProvider(ctx, db, opts)
 	if err != nil {
@@ -185,7 +361,15 @@ func Down(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult
 	return results, nil
 }
 
-// Status reports every pgidem migration and whether it has been applied.
+// Status reports every pgidem migration and whether it has been applied. It returns the
+// errors of [NewProvider] (a missing Opts.Schema among them).
+//
+// AppliedAt comes from goose's version table, a timestamp without time zone written with
+// now() in the session time zone of the connection that applied the migration; it is read
+// as UTC. Migrations applied through [OpenDB] or the pgidem command (both use UTC
+// sessions) are therefore exact; one applied through a session with another TimeZone (the
+// goose CLI, another tool, a *sql.DB opened by the caller, on a server whose TimeZone is
+// not UTC) shows shifted by that zone's offset.
 func Status(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationStatus, error) {
 	provider, err := NewProvider(ctx, db, opts)
 	if err != nil {

@@ -3,8 +3,13 @@ package migrations_test
 import (
 	"context"
 	"database/sql"
+	"io/fs"
+	"strings"
 	"sync"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/stretchr/testify/require"
 
@@ -116,4 +121,161 @@ func TestSchema(t *testing.T) {
 		require.True(t, tableExists(t, db, "idem", migrations.VersionTable))
 		require.False(t, tableExists(t, db, "public", "pgidem_record"))
 	})
+}
+
+// TestConcurrentUpWithSchema starts several Up calls at once on a database without the
+// schema: all succeed, though each must create the schema first (CREATE SCHEMA IF NOT
+// EXISTS alone fails with a unique violation when two run at once), and each migration is
+// applied once.
+func TestConcurrentUpWithSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	files, err := fs.Glob(migrations.FS(), "*.sql")
+	require.NoError(t, err)
+	for round := range 3 {
+		tdb := testdb.NewUnmigrated(t)
+		const n = 8
+		var wg sync.WaitGroup
+		counts := make([]int, n)
+		errs := make([]error, n)
+		for i := range n {
+			wg.Go(func() {
+				db, err := migrations.OpenDB(tdb.URL, "idem")
+				if err != nil {
+					errs[i] = err
+					return
+				}
+				defer db.Close()
+				res, err := migrations.Up(ctx, db, &migrations.Opts{Schema: "idem"})
+				counts[i], errs[i] = len(res), err
+			})
+		}
+		wg.Wait()
+		total := 0
+		for i, err := range errs {
+			require.NoError(t, err, "round %d caller %d", round, i)
+			total += counts[i]
+		}
+		require.Equal(t, len(files), total, "round %d: each migration applied exactly once across callers", round)
+	}
+}
+
+// TestSchemaNotCreated checks that only Up creates Opts.Schema, and only when it can use
+// it: Status, Down and NewProvider report a missing schema, and Up refusing a connection
+// whose current schema is another leaves nothing behind.
+func TestSchemaNotCreated(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tdb := testdb.NewUnmigrated(t)
+
+	_, err := migrations.Status(ctx, open(t, tdb.URL, "typo"), &migrations.Opts{Schema: "typo"})
+	require.ErrorContains(t, err, `schema "typo" does not exist`)
+	_, err = migrations.Down(ctx, open(t, tdb.URL, "typo2"), &migrations.Opts{Schema: "typo2"})
+	require.ErrorContains(t, err, `schema "typo2" does not exist`)
+	_, err = migrations.NewProvider(ctx, open(t, tdb.URL, "typo3"), &migrations.Opts{Schema: "typo3"})
+	require.ErrorContains(t, err, `schema "typo3" does not exist`)
+
+	_, err = migrations.Up(ctx, open(t, tdb.URL, ""), &migrations.Opts{Schema: "refused"})
+	require.ErrorContains(t, err, "current schema")
+
+	var schemas []string
+	require.NoError(t, tdb.Pool.QueryRow(ctx, `SELECT coalesce(array_agg(nspname::text ORDER BY nspname), '{}')
+		FROM pg_namespace WHERE nspname IN ('typo', 'typo2', 'typo3', 'refused')`).Scan(&schemas))
+	require.Empty(t, schemas)
+	require.False(t, tableExists(t, open(t, tdb.URL, ""), "public", migrations.VersionTable))
+
+	// An existing schema is fine for Status (goose creates its version table there).
+	_, err = tdb.Pool.Exec(ctx, "CREATE SCHEMA idem")
+	require.NoError(t, err)
+	status, err := migrations.Status(ctx, open(t, tdb.URL, "idem"), &migrations.Opts{Schema: "idem"})
+	require.NoError(t, err)
+	require.NotEmpty(t, status)
+}
+
+// TestInstalledElsewhereOnSearchPath covers the default search_path "$user", public when a
+// schema named after the role appears after pgidem was installed in public: every function
+// refuses, naming public, instead of installing pgidem a second time in the new schema.
+func TestInstalledElsewhereOnSearchPath(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tdb := testdb.NewUnmigrated(t)
+	_, err := migrations.Up(ctx, open(t, tdb.URL, ""), nil)
+	require.NoError(t, err)
+
+	var user string
+	require.NoError(t, tdb.Pool.QueryRow(ctx, "SELECT current_user").Scan(&user))
+	_, err = tdb.Pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{user}.Sanitize())
+	require.NoError(t, err)
+
+	db := open(t, tdb.URL, "")
+	again, err := migrations.Up(ctx, db, nil)
+	require.ErrorContains(t, err, `pgidem is installed in schema "public"`)
+	require.ErrorContains(t, err, `migrations.OpenDB(connString, "public")`)
+	require.Empty(t, again)
+	require.False(t, tableExists(t, db, user, migrations.VersionTable))
+	require.False(t, tableExists(t, db, user, "pgidem_record"))
+	_, err = migrations.Status(ctx, db, nil)
+	require.ErrorContains(t, err, `pgidem is installed in schema "public"`)
+	_, err = migrations.Down(ctx, db, nil)
+	require.ErrorContains(t, err, `pgidem is installed in schema "public"`)
+	require.True(t, tableExists(t, db, "public", "pgidem_record"), "Down refused")
+
+	// Pointing at the installation works.
+	again, err = migrations.Up(ctx, open(t, tdb.URL, "public"), &migrations.Opts{Schema: "public"})
+	require.NoError(t, err)
+	require.Empty(t, again, "pgidem is already installed in public")
+}
+
+// TestSchemaNameValidation rejects schema names Postgres would truncate or cannot store,
+// before touching the database.
+func TestSchemaNameValidation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tdb := testdb.NewUnmigrated(t)
+	for _, tc := range []struct {
+		name, schema, want string
+	}{
+		{"TooLong", strings.Repeat("s", migrations.SchemaMaxLen+1), "Postgres truncates identifiers to 63 bytes"},
+		{"NUL", "id\x00em", "NUL byte"},
+		{"Blank", "  ", "only white space"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := migrations.OpenDB(tdb.URL, tc.schema)
+			require.ErrorContains(t, err, tc.want)
+			_, err = migrations.Up(ctx, open(t, tdb.URL, ""), &migrations.Opts{Schema: tc.schema})
+			require.ErrorContains(t, err, tc.want)
+			require.ErrorContains(t, err, "Opts.Schema")
+			_, err = migrations.Status(ctx, open(t, tdb.URL, ""), &migrations.Opts{Schema: tc.schema})
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+	// The longest name works, unchanged.
+	longest := strings.Repeat("s", migrations.SchemaMaxLen)
+	_, err := migrations.Up(ctx, open(t, tdb.URL, longest), &migrations.Opts{Schema: longest})
+	require.NoError(t, err)
+	require.True(t, tableExists(t, open(t, tdb.URL, ""), longest, "pgidem_record"))
+}
+
+// TestAppliedAtUTC checks that Status reports when migrations were applied on a server
+// whose TimeZone is not UTC: OpenDB's sessions write and read goose's timestamp without
+// time zone in UTC.
+func TestAppliedAtUTC(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tdb := testdb.NewUnmigrated(t)
+	_, err := tdb.Pool.Exec(ctx, "ALTER DATABASE "+pgx.Identifier{tdb.Name}.Sanitize()+" SET timezone = 'Asia/Tokyo'")
+	require.NoError(t, err)
+	// Also in the connection string: OpenDB's UTC wins over both.
+	url := tdb.URL + "&TimeZone=America/Los_Angeles"
+	if !strings.Contains(tdb.URL, "?") {
+		url = tdb.URL + "?TimeZone=America/Los_Angeles"
+	}
+	db := open(t, url, "")
+	_, err = migrations.Up(ctx, db, nil)
+	require.NoError(t, err)
+	status, err := migrations.Status(ctx, db, nil)
+	require.NoError(t, err)
+	for _, s := range status {
+		require.WithinDuration(t, time.Now(), s.AppliedAt, time.Minute, s.Source.Path)
+	}
 }

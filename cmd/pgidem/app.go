@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/spf13/cobra"
+
+	"github.com/pgidem/pgidem/migrations"
 )
 
 // Exit codes.
@@ -84,12 +87,44 @@ func oneLine(s string) string {
 	return strings.Join(fields, "; ")
 }
 
-// action wraps a command's body so that its errors count as failures, not usage errors.
+// action wraps a command's body so that its errors count as failures, not usage errors. It
+// first checks the root's flags: an invalid one is a usage error.
 func (a *app) action(fn func(cmd *cobra.Command, args []string) error) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
+		if err := checkSchemaFlag("--schema", a.schema); err != nil {
+			return err
+		}
 		a.started = true
 		return fn(cmd, args)
 	}
+}
+
+// checkSchemaFlag returns a usage error when schema, the value of the flag called name,
+// cannot name a schema as given: longer than migrations.SchemaMaxLen bytes (Postgres would
+// truncate it), with a NUL byte, invalid UTF-8, or only white space. "" (the search_path)
+// is valid.
+func checkSchemaFlag(name, schema string) error {
+	switch {
+	case schema == "":
+		return nil
+	case len(schema) > migrations.SchemaMaxLen:
+		return usagef("%s %q is %d bytes long; Postgres truncates identifiers to %d bytes", name, schema, len(schema), migrations.SchemaMaxLen)
+	case strings.TrimSpace(schema) == "":
+		return usagef("%s %q is only white space", name, schema)
+	}
+	return checkText(name, schema)
+}
+
+// checkText returns a usage error when value, the argument or flag called name, cannot be
+// sent to Postgres as text: a NUL byte or invalid UTF-8 (the server rejects both).
+func checkText(name, value string) error {
+	switch {
+	case strings.ContainsRune(value, 0):
+		return usagef("%s %q contains a NUL byte", name, value)
+	case !utf8.ValidString(value):
+		return usagef("%s %q is not valid UTF-8", name, value)
+	}
+	return nil
 }
 
 // group returns the RunE of a command that only holds subcommands: run without one, it is

@@ -17,7 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
-// connectTimeoutDefault bounds connecting when the connection string sets no
+// connectTimeoutDefault bounds connecting when the connection string sets no positive
 // connect_timeout, so that an unreachable address fails instead of hanging.
 const connectTimeoutDefault = 10 * time.Second
 
@@ -38,14 +38,16 @@ func (a *app) connString() (connString, source string) {
 }
 
 // poolConfig parses the connection string into a pool configuration with the CLI's
-// defaults: a connect timeout, an application name, and search_path set to --schema.
+// defaults: a connect timeout, an application name, search_path set to --schema, and the
+// session time zone set to UTC.
 func (a *app) poolConfig() (*pgxpool.Config, string, error) {
 	connString, source := a.connString()
 	cfg, err := pgxpool.ParseConfig(connString)
 	if err != nil {
-		// pgconn masks passwords in its parse errors.
-		return nil, source, fmt.Errorf("pgidem: invalid connection string from %s: %w", source, err)
+		return nil, source, parseError(connString, source, err)
 	}
+	// pgconn reports connect_timeout=0 (libpq: wait forever) and no connect_timeout alike,
+	// as 0: both get the default (the package doc says so).
 	if cfg.ConnConfig.ConnectTimeout == 0 {
 		cfg.ConnConfig.ConnectTimeout = connectTimeoutDefault
 	}
@@ -55,6 +57,17 @@ func (a *app) poolConfig() (*pgxpool.Config, string, error) {
 	if a.schema != "" {
 		cfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{a.schema}.Sanitize()
 	}
+	// goose's version table records when a migration was applied as a timestamp without
+	// time zone, written with now() in the session time zone and read back by pgx as UTC:
+	// only a UTC session makes migrate status right, so a timezone in the connection string
+	// is overridden. Everything else the CLI reads is timestamptz, which any zone reads the
+	// same.
+	for name := range cfg.ConnConfig.RuntimeParams {
+		if strings.EqualFold(name, "timezone") {
+			delete(cfg.ConnConfig.RuntimeParams, name)
+		}
+	}
+	cfg.ConnConfig.RuntimeParams["timezone"] = "UTC"
 	cfg.MaxConns = 2
 	return cfg, source, nil
 }
@@ -108,12 +121,25 @@ func connectError(cfg *pgx.ConnConfig, source string, err error) error {
 			parts = append(parts, line)
 		}
 	}
+	// No password to mask: pgconn's connect errors name the host, user and database, and the
+	// server's messages never echo a password. Replacing the password's text wherever it
+	// occurs would garble the message when the password is short or a common word.
 	msg := strings.Join(parts, "; ")
-	if cfg.Password != "" {
-		msg = strings.ReplaceAll(msg, cfg.Password, "xxxxx")
-	}
 	return fmt.Errorf("pgidem: cannot connect to Postgres at %s (database %q, user %q, from %s): %s",
 		describeAddress(&cfg.Config), cfg.Database, cfg.User, source, msg)
+}
+
+// parseError reports a connection string pgx cannot parse. pgconn's message quotes the
+// string with passwords masked only on a best-effort basis (see pgconn.ParseConfigError):
+// malformed input, such as "password = secret" with spaces around the '=', slips through.
+// So when the string may hold a password (it mentions "password", or has an '@' that may
+// end a URL's user:password) the message names only its source; pgconn's detail is kept
+// for strings that cannot hold one.
+func parseError(connString, source string, err error) error {
+	if strings.Contains(strings.ToLower(connString), "password") || strings.Contains(connString, "@") {
+		return fmt.Errorf("pgidem: invalid connection string from %s: it could not be parsed (details withheld: the string may contain a password)", source)
+	}
+	return fmt.Errorf("pgidem: invalid connection string from %s: %w", source, err)
 }
 
 // describeAddress lists the host(s) a connection attempt tries, first to last.

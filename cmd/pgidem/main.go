@@ -22,10 +22,15 @@
 // The database comes from --database-url, else the DATABASE_URL environment variable, else
 // libpq's PG* variables (PGHOST, PGPORT, PGUSER, PGDATABASE, PGPASSWORD, PGSERVICE, …) with
 // libpq's defaults. Both URLs (postgres://user@host:5432/db) and keyword/value strings
-// (host=… dbname=…) are accepted. Without a connect_timeout in the connection string the
-// CLI gives up connecting after 10 seconds. A connection error names the address tried and
-// where it came from, never the password. --schema names the schema holding pgidem's
-// tables; by default they are found through the connection's search_path.
+// (host=… dbname=…) are accepted. Unless the connection string (or PGCONNECT_TIMEOUT) sets
+// a positive connect_timeout the CLI gives up connecting after 10 seconds; this includes an
+// explicit connect_timeout=0, which libpq takes as "wait forever" (pgx reports it the same
+// as no setting). A connection error names the address tried and where it came from, never
+// the password; a connection string that cannot be parsed and may contain a password is
+// reported by its source only, without its text. The CLI's sessions use the UTC time zone,
+// whatever the connection string or the server says. --schema names the schema holding
+// pgidem's tables (at most 63 bytes); by default they are found through the connection's
+// search_path.
 //
 // # Output and exit codes
 //

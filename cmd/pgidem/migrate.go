@@ -22,7 +22,13 @@ func (a *app) migrateCommand() *cobra.Command {
 		Long: `Runs pgidem's embedded goose migrations under pgidem's own version table
 (` + migrations.VersionTable + `) and advisory lock, so they never mix with the application's
 own goose history and concurrent deploys apply each migration once. With --schema the
-tables live in that schema (created if missing).`,
+tables live in that schema: migrate up creates it if missing; down, status and version
+fail for a schema that does not exist instead of creating it.
+
+Without --schema, every migrate command refuses to run when pgidem is installed in a
+schema of the search_path other than the connection's current schema (for example in
+public, after a schema named after the user appeared in front of it), instead of
+installing pgidem a second time; pass --schema to point at the installation.`,
 		Args: cobra.NoArgs,
 		RunE: group,
 	}
@@ -88,18 +94,33 @@ two deploys migrating River at once would otherwise race. River's tables go to
 		Example: "  pgidem migrate up --database-url postgres://app@db:5432/app\n  pgidem migrate up --river",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
+			if cmd.Flags().Changed("river-schema") && !withRiver {
+				return usagef("--river-schema needs --river")
+			}
+			if err := checkSchemaFlag("--river-schema", riverSchema); err != nil {
+				return err
+			}
 			ctx := cmd.Context()
 			out := migrateResultJSON{RolledBack: []migrationJSON{}}
-			err := a.withProvider(ctx, func(p *goose.Provider) error {
-				results, err := p.Up(ctx)
-				out.Applied = resultsJSON(results)
-				a.printMigrations("applied", results)
+			db, err := a.connectDB(ctx)
+			if err != nil {
+				return err
+			}
+			defer db.Close()
+			// migrations.Up, not the provider's: it creates --schema first, safely when
+			// deploys run at once.
+			results, err := migrations.Up(ctx, db, &migrations.Opts{Schema: a.schema})
+			out.Applied = resultsJSON(results)
+			a.printMigrations("applied", results)
+			if err != nil {
+				return err
+			}
+			err = a.withProviderDB(ctx, db, func(p *goose.Provider) error {
+				version, err := p.GetDBVersion(ctx)
 				if err != nil {
-					return fmt.Errorf("pgidem: migrate up: %w", err)
-				}
-				if out.Version, err = p.GetDBVersion(ctx); err != nil {
 					return fmt.Errorf("pgidem: migrate up: read version: %w", err)
 				}
+				out.Version = version
 				if a.json {
 					return nil
 				}
@@ -127,7 +148,7 @@ two deploys migrating River at once would otherwise race. River's tables go to
 		}),
 	}
 	cmd.Flags().BoolVar(&withRiver, "river", false, "also apply River's migrations, under an advisory lock")
-	cmd.Flags().StringVar(&riverSchema, "river-schema", "", "schema of River's tables (default: --schema, else the search_path)")
+	cmd.Flags().StringVar(&riverSchema, "river-schema", "", "schema of River's tables, with --river (default: --schema, else the search_path)")
 	return cmd
 }
 
@@ -168,7 +189,7 @@ func (a *app) migrateDownCommand() *cobra.Command {
 		Short: "Roll back the most recent pgidem migration (or down to --to VERSION)",
 		Long: `Rolls back the most recently applied pgidem migration, like goose's down. With --to
 VERSION it rolls back every migration above VERSION; --to 0 removes every pgidem object
-(records included) and leaves only the empty version table.`,
+(records included) but the version table, which keeps goose's initial version-0 row.`,
 		Example: "  pgidem migrate down\n  pgidem migrate down --to 0",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
@@ -228,7 +249,13 @@ func (a *app) migrateStatusCommand() *cobra.Command {
 	return &cobra.Command{
 		Use:   "status",
 		Short: "List pgidem's migrations and whether each is applied",
-		Args:  cobra.NoArgs,
+		Long: `Lists pgidem's migrations, whether each is applied, and when (APPLIED AT, in UTC).
+
+goose records the time as a timestamp without time zone, written in the time zone of
+the session that applied the migration. The pgidem command and migrations.OpenDB use UTC
+sessions, so their times are exact; a migration applied by another tool through a session
+in another time zone shows shifted by that zone's offset.`,
+		Args: cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
 			return a.withProvider(ctx, func(p *goose.Provider) error {

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"io"
+	"math"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -45,6 +46,18 @@ func exactArgs(names ...string) cobra.PositionalArgs {
 	}
 }
 
+// keyArgs checks the NAMESPACE KEY arguments of records show and forget: two, each text
+// Postgres accepts (see checkText).
+func keyArgs(cmd *cobra.Command, args []string) error {
+	if err := exactArgs("NAMESPACE", "KEY")(cmd, args); err != nil {
+		return err
+	}
+	if err := checkText("NAMESPACE", args[0]); err != nil {
+		return err
+	}
+	return checkText("KEY", args[1])
+}
+
 func (a *app) recordsListCommand() *cobra.Command {
 	var p listParams
 	cmd := &cobra.Command{
@@ -55,7 +68,11 @@ func (a *app) recordsListCommand() *cobra.Command {
 ATTEMPTS > 1 means the lease was taken over: the effect may have run more than once.
 LEASE is the time left before another caller may take an in-progress record over.
 EXPIRES is the time left before the record expires; an expired record behaves like no
-record and is deleted by the next sweep.`,
+record and is deleted by the next sweep, unless it is in progress under a live lease.
+
+--expired lists the records the next sweep deletes: past their TTL and not in progress
+under a live lease. With --limit, a note says when more records match; the --json output
+has no such note: it is an array of at most --limit records (--limit 0 for all).`,
 		Example: `  pgidem records list --namespace invoices --min-attempts 2
   pgidem records list --status in_progress --limit 20
   pgidem records list --expired --json`,
@@ -64,14 +81,19 @@ record and is deleted by the next sweep.`,
 			if p.status != "" && !validStatus(p.status) {
 				return usagef("--status must be one of %s, got %q", statusValues, p.status)
 			}
-			if p.minAttempts < 0 {
-				return usagef("--min-attempts must be >= 0, got %d", p.minAttempts)
+			if err := checkText("--namespace", p.namespace); err != nil {
+				return err
 			}
-			if p.limit < 0 {
-				return usagef("--limit must be >= 0 (0: no limit), got %d", p.limit)
+			// The upper bounds keep the values within the int4 attempts column, and
+			// --limit + 1 (see store.list) within an int.
+			if p.minAttempts < 0 || p.minAttempts > math.MaxInt32 {
+				return usagef("--min-attempts must be between 0 and %d, got %d", math.MaxInt32, p.minAttempts)
+			}
+			if p.limit < 0 || p.limit > math.MaxInt32 {
+				return usagef("--limit must be between 0 (no limit) and %d, got %d", math.MaxInt32, p.limit)
 			}
 			return a.withStore(cmd.Context(), func(s *store) error {
-				records, err := s.list(cmd.Context(), p)
+				records, more, err := s.list(cmd.Context(), p)
 				if err != nil {
 					return err
 				}
@@ -97,7 +119,7 @@ record and is deleted by the next sweep.`,
 				if err := t.flush(); err != nil {
 					return err
 				}
-				if p.limit > 0 && len(records) == p.limit {
+				if more {
 					fmt.Fprintf(a.stdout, "(first %d records; raise --limit for more)\n", p.limit)
 				}
 				return nil
@@ -108,8 +130,8 @@ record and is deleted by the next sweep.`,
 	flags.StringVar(&p.namespace, "namespace", "", "only records in this namespace")
 	flags.StringVar(&p.status, "status", "", "only records with this status: "+statusValues)
 	flags.IntVar(&p.minAttempts, "min-attempts", 0, "only records started at least this many times (2: taken over, the effect may have run twice)")
-	flags.BoolVar(&p.expired, "expired", false, "only records past their TTL that the sweep has not deleted yet")
-	flags.IntVar(&p.limit, "limit", listLimitDefault, "print at most this many records (0: no limit)")
+	flags.BoolVar(&p.expired, "expired", false, "only records the next sweep deletes: past their TTL and not in progress under a live lease")
+	flags.IntVar(&p.limit, "limit", listLimitDefault, "print at most this many records (0: no limit; at most 2147483647)")
 	return cmd
 }
 
@@ -118,7 +140,7 @@ func (a *app) recordsShowCommand() *cobra.Command {
 		Use:     "show NAMESPACE KEY",
 		Short:   "Show one record in full",
 		Example: "  pgidem records show invoices order-9.invoice",
-		Args:    exactArgs("NAMESPACE", "KEY"),
+		Args:    keyArgs,
 		RunE: a.action(func(cmd *cobra.Command, args []string) error {
 			return a.withStore(cmd.Context(), func(s *store) error {
 				r, err := s.show(cmd.Context(), args[0], args[1])
@@ -149,7 +171,7 @@ the lease to expire, or pass --force if you know the holder is gone. The check a
 delete are one SQL statement, so a holder renewing its lease at the same moment is never
 deleted without --force.`,
 		Example: "  pgidem records forget invoices order-9.invoice",
-		Args:    exactArgs("NAMESPACE", "KEY"),
+		Args:    keyArgs,
 		RunE: a.action(func(cmd *cobra.Command, args []string) error {
 			return a.withStore(cmd.Context(), func(s *store) error {
 				r, err := s.forget(cmd.Context(), args[0], args[1], force)

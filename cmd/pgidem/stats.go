@@ -20,9 +20,11 @@ func (a *app) statsCommand() *cobra.Command {
 		Short: "Per-namespace counts, stuck and taken-over records, expired rows, table size",
 		Long: `Prints, per namespace: records by status; LEASE EXPIRED, in-progress records whose
 holder stopped renewing the lease; TOOK OVER, records whose effect started more than once
-(attempts > 1); EXPIRED, records past their TTL not yet swept; and the oldest in-progress
-record with its lease. Then, for the record table and the inbox table, the row count,
-the expired rows not yet swept, and the total size (with indexes and TOAST).`,
+(attempts > 1); EXPIRED, records the next sweep deletes (past their TTL and not in
+progress under a live lease); and the oldest in-progress record with its lease. Then, for
+the record table and the inbox table, the row count, the expired rows the next sweep
+deletes, and the total size (with indexes and TOAST). A database without the inbox table
+gets no inbox line (--json: "inbox": null).`,
 		Example: "  pgidem stats\n  pgidem stats --json",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {

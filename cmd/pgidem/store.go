@@ -55,16 +55,18 @@ func (a *app) withStore(ctx context.Context, fn func(*store) error) error {
 }
 
 // translate turns a database error into an actionable message.
-func (s *store) translate(op string, err error) error {
-	if missing := s.missingTable(op, err); missing != nil {
+func (s *store) translate(ctx context.Context, op string, err error) error {
+	if missing := s.missingTable(ctx, op, err); missing != nil {
 		return missing
 	}
 	return fmt.Errorf("pgidem: %s: %w", op, err)
 }
 
-// missingTable returns an actionable error when err says the record table does not exist,
-// and nil otherwise.
-func (s *store) missingTable(op string, err error) error {
+// missingTable returns an actionable error when err says a table does not exist, and nil
+// otherwise. Postgres does not name the missing relation in a field of the error, so it
+// asks which of pgidem's tables is missing; if neither is (or it cannot tell), it quotes
+// the server's message.
+func (s *store) missingTable(ctx context.Context, op string, err error) error {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.UndefinedTable {
 		return nil
@@ -74,8 +76,35 @@ func (s *store) missingTable(op string, err error) error {
 		where = fmt.Sprintf("schema %q", s.schema)
 	}
 	cc := s.pool.Config().ConnConfig
-	return fmt.Errorf("pgidem: %s: table %s not found in %s of database %q (user %q on %s:%d); run 'pgidem migrate up' or pass --schema or --database-url",
-		op, recordTable, where, cc.Database, cc.User, cc.Host, cc.Port)
+	what := pgErr.Message
+	if record, inbox, err := s.tablesExist(ctx); err == nil {
+		switch {
+		case !record:
+			what = "table " + recordTable + " not found"
+		case !inbox:
+			what = "table " + inboxTable + " not found"
+		}
+	}
+	return fmt.Errorf("pgidem: %s: %s in %s of database %q (user %q on %s); run 'pgidem migrate up' or pass --schema or --database-url",
+		op, what, where, cc.Database, cc.User, hostPort(cc.Host, cc.Port))
+}
+
+// tablesExist reports whether the record table and the inbox table exist.
+func (s *store) tablesExist(ctx context.Context) (record, inbox bool, err error) {
+	err = s.pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL", s.table, s.inbox).
+		Scan(&record, &inbox)
+	return record, inbox, err
+}
+
+// inboxMissing reports whether err says a table is missing because the database has the
+// record table but no inbox table.
+func (s *store) inboxMissing(ctx context.Context, err error) (bool, error) {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.UndefinedTable {
+		return false, nil
+	}
+	record, inbox, err := s.tablesExist(ctx)
+	return record && !inbox, err
 }
 
 // record is one row of pgidem_record with times derived from the database clock. It is
@@ -165,7 +194,14 @@ type listParams struct {
 	limit       int
 }
 
-func (s *store) list(ctx context.Context, p listParams) ([]*record, error) {
+// sweepableCondition is true for a record (alias r) that pgidem's sweep deletes: past its
+// TTL and not in progress under a live lease. It is the condition of the sweep statement
+// in pgidem/store.go.
+const sweepableCondition = `(r.expires_at <= now() AND (r.status <> 'in_progress' OR r.lease_expires_at <= now()))`
+
+// list returns the records matching p, newest first, at most p.limit of them (0: all).
+// more reports whether further records match beyond the limit.
+func (s *store) list(ctx context.Context, p listParams) (records []*record, more bool, err error) {
 	var (
 		where []string
 		args  []any
@@ -184,7 +220,7 @@ func (s *store) list(ctx context.Context, p listParams) ([]*record, error) {
 		add("r.attempts >= $%d", p.minAttempts)
 	}
 	if p.expired {
-		where = append(where, "r.expires_at <= now()")
+		where = append(where, sweepableCondition)
 	}
 	query := "SELECT " + recordColumns + " FROM " + s.table + " r"
 	for i, cond := range where {
@@ -196,26 +232,29 @@ func (s *store) list(ctx context.Context, p listParams) ([]*record, error) {
 	}
 	query += " ORDER BY r.created_at DESC, r.namespace, r.key"
 	if p.limit > 0 {
-		args = append(args, p.limit)
+		// One more than asked for: whether it comes back says if more records match.
+		args = append(args, p.limit+1)
 		query += fmt.Sprintf(" LIMIT $%d", len(args))
 	}
 	rows, err := s.pool.Query(ctx, query, args...)
 	if err != nil {
-		return nil, s.translate("list records", err)
+		return nil, false, s.translate(ctx, "list records", err)
 	}
 	defer rows.Close()
-	var out []*record
 	for rows.Next() {
 		r, err := scanRecord(rows)
 		if err != nil {
-			return nil, s.translate("list records", err)
+			return nil, false, s.translate(ctx, "list records", err)
 		}
-		out = append(out, r)
+		records = append(records, r)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, s.translate("list records", err)
+		return nil, false, s.translate(ctx, "list records", err)
 	}
-	return out, nil
+	if p.limit > 0 && len(records) > p.limit {
+		return records[:p.limit], true, nil
+	}
+	return records, false, nil
 }
 
 // errNoRecord reports a (namespace, key) with no record.
@@ -230,7 +269,7 @@ func (s *store) show(ctx context.Context, namespace, key string) (*record, error
 		return nil, errNoRecord(namespace, key)
 	}
 	if err != nil {
-		return nil, s.translate("show record", err)
+		return nil, s.translate(ctx, "show record", err)
 	}
 	return r, nil
 }
@@ -261,7 +300,7 @@ func (s *store) forget(ctx context.Context, namespace, key string, force bool) (
 		return nil, fmt.Errorf("%w; nothing deleted", errNoRecord(namespace, key))
 	}
 	if err != nil {
-		return nil, s.translate("forget record", err)
+		return nil, s.translate(ctx, "forget record", err)
 	}
 	if deleted {
 		return r, nil
@@ -283,7 +322,8 @@ type namespaceStats struct {
 	LeaseExpired int64 `json:"lease_expired"`
 	// TookOver counts records with attempts > 1: the effect may have run more than once.
 	TookOver int64 `json:"took_over"`
-	// Expired counts records past their TTL that the sweep has not deleted yet.
+	// Expired counts the records the next sweep deletes: past their TTL and not in
+	// progress under a live lease.
 	Expired          int64             `json:"expired"`
 	OldestInProgress *oldestInProgress `json:"oldest_in_progress"`
 }
@@ -301,7 +341,8 @@ type oldestInProgress struct {
 type tableStats struct {
 	Table string `json:"table"`
 	Rows  int64  `json:"rows"`
-	// Expired counts rows past their expiry that the sweep has not deleted yet.
+	// Expired counts the rows the next sweep deletes: past their expiry (and, for records,
+	// not in progress under a live lease).
 	Expired    int64  `json:"expired"`
 	SizeBytes  int64  `json:"size_bytes"`
 	SizePretty string `json:"size_pretty"`
@@ -314,8 +355,8 @@ const statsSQL = `WITH counts AS (
 	       count(*) FILTER (WHERE status = 'failed'),
 	       count(*) FILTER (WHERE status = 'in_progress' AND lease_expires_at <= now()),
 	       count(*) FILTER (WHERE attempts > 1),
-	       count(*) FILTER (WHERE expires_at <= now())
-	FROM %[1]s
+	       count(*) FILTER (WHERE %[2]s)
+	FROM %[1]s r
 	GROUP BY namespace
 ), oldest AS (
 	SELECT DISTINCT ON (namespace) namespace, key, created_at,
@@ -331,9 +372,9 @@ FROM counts c LEFT JOIN oldest o USING (namespace)
 ORDER BY c.namespace`
 
 func (s *store) stats(ctx context.Context) ([]namespaceStats, *tableStats, error) {
-	rows, err := s.pool.Query(ctx, fmt.Sprintf(statsSQL, s.table))
+	rows, err := s.pool.Query(ctx, fmt.Sprintf(statsSQL, s.table, sweepableCondition))
 	if err != nil {
-		return nil, nil, s.translate("stats", err)
+		return nil, nil, s.translate(ctx, "stats", err)
 	}
 	defer rows.Close()
 	out := []namespaceStats{}
@@ -349,7 +390,7 @@ func (s *store) stats(ctx context.Context) ([]namespaceStats, *tableStats, error
 		)
 		if err := rows.Scan(&ns.Namespace, &ns.InProgress, &ns.Completed, &ns.Failed, &ns.LeaseExpired,
 			&ns.TookOver, &ns.Expired, &key, &createdAt, &age, &leaseExpiresAt, &leaseRemaining); err != nil {
-			return nil, nil, s.translate("stats", err)
+			return nil, nil, s.translate(ctx, "stats", err)
 		}
 		if key != nil {
 			ns.OldestInProgress = &oldestInProgress{
@@ -362,7 +403,7 @@ func (s *store) stats(ctx context.Context) ([]namespaceStats, *tableStats, error
 		out = append(out, ns)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, nil, s.translate("stats", err)
+		return nil, nil, s.translate(ctx, "stats", err)
 	}
 	if err := s.size(ctx, total, s.table); err != nil {
 		return nil, nil, err
@@ -377,7 +418,7 @@ func (s *store) size(ctx context.Context, t *tableStats, quoted string) error {
 		"SELECT pg_total_relation_size($1::text::regclass), pg_size_pretty(pg_total_relation_size($1::text::regclass))",
 		quoted).Scan(&t.SizeBytes, &t.SizePretty)
 	if err != nil {
-		return s.translate("stats: table size", err)
+		return s.translate(ctx, "stats: table size", err)
 	}
 	return nil
 }
@@ -387,7 +428,7 @@ func (s *store) size(ctx context.Context, t *tableStats, quoted string) error {
 func (s *store) inboxStats(ctx context.Context) (*tableStats, error) {
 	var exists bool
 	if err := s.pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", s.inbox).Scan(&exists); err != nil {
-		return nil, s.translate("stats: inbox", err)
+		return nil, s.translate(ctx, "stats: inbox", err)
 	}
 	if !exists {
 		return nil, nil
@@ -396,7 +437,7 @@ func (s *store) inboxStats(ctx context.Context) (*tableStats, error) {
 	err := s.pool.QueryRow(ctx,
 		"SELECT count(*), count(*) FILTER (WHERE expires_at <= now()) FROM "+s.inbox).Scan(&t.Rows, &t.Expired)
 	if err != nil {
-		return nil, s.translate("stats: inbox", err)
+		return nil, s.translate(ctx, "stats: inbox", err)
 	}
 	if err := s.size(ctx, t, s.inbox); err != nil {
 		return nil, err

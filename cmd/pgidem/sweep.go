@@ -8,6 +8,13 @@ import (
 	"github.com/pgidem/pgidem/pgidem"
 )
 
+// sweepJSON is the --json output of sweep.
+type sweepJSON struct {
+	Records int64 `json:"records"`
+	// Inbox is null when the database has no inbox table.
+	Inbox *int64 `json:"inbox"`
+}
+
 func (a *app) sweepCommand() *cobra.Command {
 	var batchSize int
 	cmd := &cobra.Command{
@@ -17,10 +24,15 @@ func (a *app) sweepCommand() *cobra.Command {
 until none is left. Expired records
 already behave like no record, so sweeping only reclaims space; records in progress under
 a live lease are never deleted. Concurrent sweeps (two cron hosts, cron and River) split
-the rows instead of blocking each other. It runs pgidem.Coordinator.Sweep.`,
+the rows instead of blocking each other. It runs pgidem.Coordinator.Sweep.
+
+A database without the inbox table (its migration was not applied) only has its records
+swept; --json then reports "inbox": null, as stats does. When the sweep fails part way,
+the error says how many rows it had deleted.`,
 		Example: "  pgidem sweep --batch-size 5000\n  # crontab: */10 * * * * pgidem sweep --database-url ...",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
+			// No upper bound: the batch size is a bigint LIMIT.
 			if batchSize < 1 {
 				return usagef("--batch-size must be >= 1, got %d", batchSize)
 			}
@@ -35,14 +47,33 @@ the rows instead of blocking each other. It runs pgidem.Coordinator.Sweep.`,
 				return err
 			}
 			res, err := coord.Sweep(ctx, &pgidem.SweepOpts{BatchSize: batchSize})
+			if res == nil {
+				res = &pgidem.SweepResult{}
+			}
+			// inbox is nil when the database has no inbox table, as in stats.
+			inbox := &res.Inbox
 			if err != nil {
-				if missing := newStore(pool, a.schema).missingTable("sweep", err); missing != nil {
-					return missing
+				s := newStore(pool, a.schema)
+				if noInbox, checkErr := s.inboxMissing(ctx, err); checkErr == nil && noInbox {
+					// The records were swept; the inbox's migration was not applied.
+					err, inbox = nil, nil
+				} else if missing := s.missingTable(ctx, "sweep", err); missing != nil {
+					err = missing
 				}
+			}
+			if err != nil && res.Records+res.Inbox > 0 {
+				return fmt.Errorf("%w (before failing, the sweep deleted %d expired records and %d expired inbox rows)",
+					err, res.Records, res.Inbox)
+			}
+			if err != nil {
 				return err
 			}
 			if a.json {
-				return printJSON(a.stdout, map[string]int64{"records": res.Records, "inbox": res.Inbox})
+				return printJSON(a.stdout, sweepJSON{Records: res.Records, Inbox: inbox})
+			}
+			if inbox == nil {
+				fmt.Fprintf(a.stdout, "swept %d expired records (no inbox table %s)\n", res.Records, inboxTable)
+				return nil
 			}
 			fmt.Fprintf(a.stdout, "swept %d expired records and %d expired inbox rows\n", res.Records, res.Inbox)
 			return nil

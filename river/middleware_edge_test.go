@@ -430,11 +430,15 @@ func (h *fallbackLogCounter) WithGroup(string) slog.Handler      { return h }
 
 // failCompletions makes every completing write of a record fail, as a store outage that
 // outlasts the finishing write's retries would.
+// failCompletions makes every write that completes or fails a record fail, until the time
+// in the one-row table outage (default: forever).
 func failCompletions(t *testing.T, b *bundle) {
 	t.Helper()
 	_, err := b.db.Pool.Exec(b.ctx, `
+CREATE TABLE outage (until timestamptz NOT NULL);
+INSERT INTO outage VALUES ('infinity');
 CREATE FUNCTION fail_completion() RETURNS trigger LANGUAGE plpgsql AS
-	$$BEGIN RAISE EXCEPTION 'injected outage'; END$$;
+	$$BEGIN IF clock_timestamp() < (SELECT until FROM outage) THEN RAISE EXCEPTION 'injected outage'; END IF; RETURN NEW; END$$;
 CREATE TRIGGER fail_completion BEFORE UPDATE ON pgidem_record
 	FOR EACH ROW WHEN (NEW.status <> 'in_progress') EXECUTE FUNCTION fail_completion()`)
 	require.NoError(t, err)
@@ -491,13 +495,8 @@ func TestFinishingWriteFails(t *testing.T) {
 func TestStoreOutageAfterTheEffect(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	_, err := b.db.Pool.Exec(b.ctx, `
-CREATE TABLE outage (until timestamptz NOT NULL);
-INSERT INTO outage VALUES ('-infinity');
-CREATE FUNCTION fail_completion() RETURNS trigger LANGUAGE plpgsql AS
-	$$BEGIN IF clock_timestamp() < (SELECT until FROM outage) THEN RAISE EXCEPTION 'injected outage'; END IF; RETURN NEW; END$$;
-CREATE TRIGGER fail_completion BEFORE UPDATE ON pgidem_record
-	FOR EACH ROW WHEN (NEW.status <> 'in_progress') EXECUTE FUNCTION fail_completion()`)
+	failCompletions(t, b)
+	_, err := b.db.Pool.Exec(b.ctx, `UPDATE outage SET until = '-infinity'`)
 	require.NoError(t, err)
 	mw, outs := b.newMiddleware(t, nil)
 	var first atomic.Bool

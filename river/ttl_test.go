@@ -142,11 +142,12 @@ func TestRetryHorizonHugeMaxAttempts(t *testing.T) {
 	require.Equal(t, pgidemriver.HorizonInfinite, pgidemriver.RetryHorizon(constantPolicy(-time.Second), math.MaxInt))
 }
 
-func TestNewClientChecksTTL(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	// Creating a client does not connect.
-	pool, err := pgxpool.New(ctx, "postgres://127.0.0.1:1/none")
+// offlineMiddleware returns a middleware whose coordinator's pool never connects (creating
+// a coordinator, a middleware or a client, registering and CheckTTL do not touch the
+// database), logging to the returned buffer.
+func offlineMiddleware(t *testing.T) (*pgidemriver.Middleware, *bytes.Buffer, *pgxpool.Pool) {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), "postgres://127.0.0.1:1/none")
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	coord, err := pgidem.NewCoordinator(pool, nil)
@@ -154,6 +155,12 @@ func TestNewClientChecksTTL(t *testing.T) {
 	var logs bytes.Buffer
 	mw, err := pgidemriver.NewMiddleware(coord, &pgidemriver.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	require.NoError(t, err)
+	return mw, &logs, pool
+}
+
+func TestNewClientChecksTTL(t *testing.T) {
+	t.Parallel()
+	mw, logs, pool := offlineMiddleware(t)
 	mw.Register(InvoiceArgs{})
 
 	client, err := pgidemriver.NewClient(riverpgxv5.New(pool), &river.Config{Middleware: []rivertype.Middleware{mw}})
@@ -167,15 +174,7 @@ func TestNewClientChecksTTL(t *testing.T) {
 // than leaving every job of the kind to fail; it panics with a clear message on nil args.
 func TestRegisterRefusedTTL(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, "postgres://127.0.0.1:1/none") // never connects
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	coord, err := pgidem.NewCoordinator(pool, nil)
-	require.NoError(t, err)
-	var logs bytes.Buffer
-	mw, err := pgidemriver.NewMiddleware(coord, &pgidemriver.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
-	require.NoError(t, err)
+	mw, logs, _ := offlineMiddleware(t)
 	mw.Register(WeeklyArgs{})
 	require.Empty(t, logs.String())
 	mw.Register(ShortTTLArgs{})

@@ -2,8 +2,6 @@ package pgidem
 
 import (
 	"cmp"
-	"errors"
-	"fmt"
 	"log/slog"
 	"time"
 
@@ -37,6 +35,16 @@ const (
 	// MaxKeyBytesMax bounds [Config.MaxKeyBytes] + [Config.MaxNamespaceBytes] so a primary
 	// key entry always fits in a Postgres btree page (about 2700 bytes).
 	MaxKeyBytesMax = 2048
+
+	// MaxValueBytesDefault is the default [Config.MaxValueBytes]: 16 MiB.
+	MaxValueBytesDefault = 16 << 20
+	// MaxValueBytesMax bounds [Config.MaxValueBytes]: 256 MiB, under jsonb's own limit on
+	// a document's size.
+	MaxValueBytesMax = 256 << 20
+
+	// SchemaMaxBytes is the longest [Config.Schema], in bytes: Postgres's identifier limit
+	// (it truncates longer names).
+	SchemaMaxBytes = 63
 
 	// PollIntervalMinDefault and PollIntervalMaxDefault bound the backoff between reads
 	// while waiting for an in-progress record ([InFlightWait]).
@@ -80,7 +88,9 @@ func (p InFlightPolicy) String() string {
 // documented default. NewCoordinator copies it; changing it afterwards has no effect.
 type Config struct {
 	// Schema is the schema holding pgidem's tables. Default "": unqualified names resolved
-	// through the connection's search_path. Quoted with pgx.Identifier, never spliced.
+	// through the connection's search_path. Quoted with pgx.Identifier, never spliced, so
+	// any name works; it must be valid UTF-8 without NUL or other control characters and at
+	// most [SchemaMaxBytes] bytes, or NewCoordinator returns an error.
 	Schema string
 
 	// Lease is how long a reservation stays owned without a heartbeat. The holder renews it
@@ -138,6 +148,15 @@ type Config struct {
 	// [ErrInvalidKey]. Default [MaxNamespaceBytesDefault] (64).
 	MaxNamespaceBytes int
 
+	// MaxValueBytes limits, in bytes of encoded JSON, what pgidem stores in a jsonb
+	// column: fn's result (Do, DoTx) and an inbox payload ([InboxOpts.Payload]). A larger
+	// result is not storable ([ErrResultNotStorable]: the record completes without it, so
+	// the effect is not repeated) and a larger payload is refused ([ErrInvalidPayload])
+	// before anything is written. Without a bound, Postgres can refuse a large document
+	// with an internal error that looks like an outage, and the effect would run again.
+	// Default [MaxValueBytesDefault] (16 MiB); at most [MaxValueBytesMax].
+	MaxValueBytes int
+
 	// FailOpen, when true, runs fn unprotected when the store's server cannot be reached
 	// before fn would run (connection refused, timed out, network down), instead of
 	// returning [ErrStoreUnavailable]. It never applies once the store answered (a record
@@ -171,6 +190,7 @@ func (c *Config) withDefaults() Config {
 	cfg.MaxBatch = cmp.Or(cfg.MaxBatch, MaxBatchDefault)
 	cfg.MaxKeyBytes = cmp.Or(cfg.MaxKeyBytes, MaxKeyBytesDefault)
 	cfg.MaxNamespaceBytes = cmp.Or(cfg.MaxNamespaceBytes, MaxNamespaceBytesDefault)
+	cfg.MaxValueBytes = cmp.Or(cfg.MaxValueBytes, MaxValueBytesDefault)
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -180,21 +200,28 @@ func (c *Config) withDefaults() Config {
 func (c *Config) validate() error {
 	switch {
 	case c.Lease < LeaseMin:
-		return fmt.Errorf("pgidem: Config.Lease %s is below the minimum %s", c.Lease, LeaseMin)
+		return invalidArgument("Config.Lease %s is below the minimum %s", c.Lease, LeaseMin)
 	case c.Lease >= c.MinTTL:
-		return fmt.Errorf("pgidem: Config.Lease %s must be shorter than Config.MinTTL %s", c.Lease, c.MinTTL)
+		return invalidArgument("Config.Lease %s must be shorter than Config.MinTTL %s", c.Lease, c.MinTTL)
 	case c.InFlight != InFlightWait && c.InFlight != InFlightRaise:
-		return fmt.Errorf("pgidem: Config.InFlight %d is not a known policy", c.InFlight)
+		return invalidArgument("Config.InFlight %d is not a known policy", c.InFlight)
 	case c.WaitTimeout < 0:
-		return fmt.Errorf("pgidem: Config.WaitTimeout %s must not be negative", c.WaitTimeout)
+		return invalidArgument("Config.WaitTimeout %s must not be negative", c.WaitTimeout)
 	case c.PollIntervalMin < 0 || c.PollIntervalMax < c.PollIntervalMin || c.PollIntervalMax > PollIntervalMaxMax:
-		return fmt.Errorf("pgidem: Config.PollIntervalMin %s and Config.PollIntervalMax %s must satisfy 0 <= min <= max <= %s", c.PollIntervalMin, c.PollIntervalMax, PollIntervalMaxMax)
+		return invalidArgument("Config.PollIntervalMin %s and Config.PollIntervalMax %s must satisfy 0 <= min <= max <= %s", c.PollIntervalMin, c.PollIntervalMax, PollIntervalMaxMax)
 	case c.FinishTimeout < 0:
-		return fmt.Errorf("pgidem: Config.FinishTimeout %s must not be negative", c.FinishTimeout)
+		return invalidArgument("Config.FinishTimeout %s must not be negative", c.FinishTimeout)
 	case c.MaxBatch < 1:
-		return fmt.Errorf("pgidem: Config.MaxBatch %d must be positive", c.MaxBatch)
-	case c.MaxKeyBytes < 1 || c.MaxNamespaceBytes < 1 || c.MaxKeyBytes+c.MaxNamespaceBytes > MaxKeyBytesMax:
-		return fmt.Errorf("pgidem: Config.MaxKeyBytes %d and Config.MaxNamespaceBytes %d must be positive with a sum of at most %d", c.MaxKeyBytes, c.MaxNamespaceBytes, MaxKeyBytesMax)
+		return invalidArgument("Config.MaxBatch %d must be positive", c.MaxBatch)
+	case c.MaxKeyBytes < 1 || c.MaxNamespaceBytes < 1 || c.MaxKeyBytes > MaxKeyBytesMax-c.MaxNamespaceBytes:
+		return invalidArgument("Config.MaxKeyBytes %d and Config.MaxNamespaceBytes %d must be positive with a sum of at most %d", c.MaxKeyBytes, c.MaxNamespaceBytes, MaxKeyBytesMax)
+	case c.MaxValueBytes < 1 || c.MaxValueBytes > MaxValueBytesMax:
+		return invalidArgument("Config.MaxValueBytes %d must be positive and at most %d", c.MaxValueBytes, MaxValueBytesMax)
+	}
+	if c.Schema != "" {
+		if err := validatePart("schema", c.Schema, SchemaMaxBytes); err != nil {
+			return invalidArgument("Config.Schema %q is not a usable schema name: %s", c.Schema, err.(*InvalidKeyError).Reason)
+		}
 	}
 	return nil
 }
@@ -227,7 +254,7 @@ type Coordinator struct {
 // (slower, still correct).
 func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 	if pool == nil {
-		return nil, errors.New("pgidem: NewCoordinator: pool is nil")
+		return nil, invalidArgument("NewCoordinator: pool is nil")
 	}
 	cfg := config.withDefaults()
 	if err := cfg.validate(); err != nil {

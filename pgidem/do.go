@@ -89,7 +89,8 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // record counts, measured from completion (while in progress, from the holder's last
 // heartbeat: its record expires a ttl after its lease, so a dead holder is always taken
 // over first): at least [Config.MinTTL] and longer than the lease, or [*InvalidTTLError].
-// Make it outlive the queue's retry and retention horizon.
+// Make it outlive the queue's retry and retention horizon. A nil c or fn, or a [DoOpts]
+// field out of range, returns an error matching [ErrInvalidArgument]; fn is not run.
 //
 // The first caller reserves the key and runs fn with a context that carries the key
 // ([KeyFromContext]) and is cancelled with cause [ErrLeaseLost] if the reservation is
@@ -100,8 +101,9 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 //     null are stored as such. Two limits come from JSON itself: a json.RawMessage replays
 //     as the same JSON value in jsonb's normal form, and numbers inside an any decode as
 //     float64. A value that cannot be stored exactly (a channel, NaN, a string with NUL or
-//     invalid UTF-8) is returned with an error matching [ErrResultNotStorable]; the record
-//     is completed without it, so the effect is not repeated.
+//     invalid UTF-8, more than [Config.MaxValueBytes] of JSON, nesting deeper than 10000)
+//     is returned with an error matching [ErrResultNotStorable]; the record is completed
+//     without it, so the effect is not repeated.
 //   - fn returns an error: the record is released so the next delivery runs fn again, and
 //     the error is returned unchanged. Releasing deletes a first reservation; one that
 //     took over a dead holder's is kept with its lease ended, so the next call takes it
@@ -134,7 +136,7 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context) (T, error)) (Result[T], error) {
 	var res Result[T]
 	if c == nil || fn == nil {
-		return res, errors.New("pgidem: Do: the coordinator and fn must not be nil")
+		return res, invalidArgument("Do: the coordinator and fn must not be nil")
 	}
 	call, err := c.newCall(namespace, key, ttl, opts)
 	if err != nil {
@@ -175,7 +177,7 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 		var err error
 		value, err = fn(ctx)
 		return err
-	}, func() ([]byte, error) { return json.Marshal(value) })
+	}, func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
 	res.Value = value
 	return res, fnErr
 }
@@ -211,10 +213,10 @@ func (c *Coordinator) newCall(namespace, key string, ttl time.Duration, opts *Do
 		return nil, &InvalidTTLError{TTL: ttl, MinTTL: c.config.MinTTL, Lease: cl.lease}
 	}
 	if opts.WaitTimeout < 0 {
-		return nil, fmt.Errorf("pgidem: DoOpts.WaitTimeout %s must not be negative", opts.WaitTimeout)
+		return nil, invalidArgument("DoOpts.WaitTimeout %s must not be negative", opts.WaitTimeout)
 	}
 	if cl.policy != InFlightWait && cl.policy != InFlightRaise {
-		return nil, fmt.Errorf("pgidem: DoOpts.InFlight %d is not a known policy", cl.policy)
+		return nil, invalidArgument("DoOpts.InFlight %d is not a known policy", cl.policy)
 	}
 	return cl, nil
 }
@@ -674,8 +676,7 @@ func storableMessage(msg string) string {
 }
 
 // encodeResult runs encode, turning a panic into an error (and returning the panic value so
-// the caller can re-raise it once the record is safe) and rejecting JSON that jsonb cannot
-// store or that would not replay exactly.
+// the caller can re-raise it once the record is safe).
 func encodeResult(encode func() ([]byte, error)) (result []byte, panicked any, err error) {
 	defer func() {
 		if p := recover(); p != nil {
@@ -683,34 +684,75 @@ func encodeResult(encode func() ([]byte, error)) (result []byte, panicked any, e
 		}
 	}()
 	result, err = encode()
-	if err != nil {
-		return nil, nil, err
-	}
-	if err := checkEscapes(result); err != nil {
-		return nil, nil, err
-	}
-	return result, nil, nil
+	return result, nil, err
 }
 
-// checkEscapes scans encoded JSON for the two escapes that break an exact replay: \u0000,
-// which jsonb rejects, and \ufffd, which encoding/json writes in place of invalid UTF-8 (a
-// valid U+FFFD is written as raw bytes), so the stored string would differ from fn's.
-func checkEscapes(b []byte) error {
-	for i := 0; i < len(b); i++ {
-		if b[i] != '\\' || i+1 >= len(b) {
-			continue
-		}
-		if b[i+1] == 'u' && i+6 <= len(b) {
-			switch strings.ToLower(string(b[i+2 : i+6])) {
-			case "0000":
-				return errors.New("a string contains a NUL character, which jsonb cannot store")
-			case "fffd":
-				return errors.New("a string is not valid UTF-8 and would not replay as it was")
-			}
-		}
-		i++ // skip the escaped character
+// maxReplayDepth is the deepest nesting of arrays and objects encoding/json decodes; a
+// deeper result would be stored and then fail every replay.
+const maxReplayDepth = 10000
+
+// encodeValue encodes fn's value for a record, refusing JSON that jsonb cannot store or
+// that would not replay as it was: larger than maxBytes, a string with a NUL character,
+// nesting deeper than a replay decodes, or an invalid UTF-8 string. encoding/json writes
+// invalid UTF-8 as the escape \ufffd (a valid U+FFFD it writes as raw bytes), so a
+// result holding that escape is decoded and encoded again: unchanged (a json.RawMessage
+// or a MarshalJSON that wrote the escape itself) it is stored; changed, it was invalid.
+func encodeValue[T any](value T, maxBytes int) ([]byte, error) {
+	b, err := json.Marshal(value)
+	if err != nil {
+		return nil, err
 	}
-	return nil
+	replacement, err := checkJSON(b, maxBytes)
+	if err != nil {
+		return nil, err
+	}
+	if replacement {
+		var back T
+		var again []byte
+		err := json.Unmarshal(b, &back)
+		if err == nil {
+			again, err = json.Marshal(back)
+		}
+		if err != nil || !bytes.Equal(again, b) {
+			return nil, errors.New("a string is not valid UTF-8 and would not replay as it was")
+		}
+	}
+	return b, nil
+}
+
+// checkJSON checks JSON as encoding/json writes it (valid, compact) against what a record
+// can store and replay (see encodeValue), and reports whether it holds a \ufffd escape.
+func checkJSON(b []byte, maxBytes int) (replacement bool, err error) {
+	if len(b) > maxBytes {
+		return false, fmt.Errorf("it is %d bytes of JSON, more than Config.MaxValueBytes (%d)", len(b), maxBytes)
+	}
+	depth := 0
+	for i := 0; i < len(b); i++ {
+		switch b[i] {
+		case '"':
+			for i++; i < len(b) && b[i] != '"'; i++ {
+				if b[i] != '\\' {
+					continue
+				}
+				if i+6 <= len(b) && b[i+1] == 'u' {
+					switch strings.ToLower(string(b[i+2 : i+6])) {
+					case "0000":
+						return false, errors.New("a string contains a NUL character, which jsonb cannot store")
+					case "fffd":
+						replacement = true
+					}
+				}
+				i++ // skip the escaped character
+			}
+		case '[', '{':
+			if depth++; depth > maxReplayDepth {
+				return false, fmt.Errorf("it nests arrays and objects deeper than %d, which a replay cannot decode", maxReplayDepth)
+			}
+		case ']', '}':
+			depth--
+		}
+	}
+	return replacement, nil
 }
 
 func (c *Coordinator) leaseLost(ctx context.Context, cl *call) {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -399,6 +400,78 @@ func TestReplayExactValues(t *testing.T) {
 		require.Equal(t, 1, runs)
 	})
 
+	t.Run("EscapedReplacementCharacter", func(t *testing.T) {
+		// A \ufffd escape that JSON carries on purpose (a json.RawMessage) is a valid
+		// U+FFFD and is stored; one encoding/json wrote for invalid UTF-8 is not. The first
+		// used to be refused like the second, losing fn's value.
+		raw := json.RawMessage(`{"name":"\ufffd"}`)
+		v, err := pgidem.Do(b.ctx, b.coord, "t", "fffd-raw", testTTL, nil,
+			func(context.Context) (json.RawMessage, error) { return raw, nil })
+		require.NoError(t, err)
+		require.Equal(t, raw, v)
+		v, err = pgidem.Do(b.ctx, b.coord, "t", "fffd-raw", testTTL, nil,
+			func(context.Context) (json.RawMessage, error) { panic("replayed, not run") })
+		require.NoError(t, err)
+		require.JSONEq(t, string(raw), string(v))
+		_, err = pgidem.DoInTx(b.ctx, b.coord, "t", "fffd-raw-tx", testTTL, nil,
+			func(context.Context, pgx.Tx) (json.RawMessage, error) { return raw, nil })
+		require.NoError(t, err)
+
+		_, err = pgidem.Do(b.ctx, b.coord, "t", "fffd-invalid", testTTL, nil,
+			func(context.Context) (string, error) { return "bad \xff byte", nil })
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable)
+		require.ErrorContains(t, err, "not valid UTF-8")
+	})
+
+	t.Run("TooLarge", func(t *testing.T) {
+		// Over Config.MaxValueBytes (16 MiB by default) a result is not storable before it
+		// reaches Postgres, which can refuse a large document with an internal error
+		// (XX000) that looked like an outage: the record stayed in progress and the effect
+		// ran again after the lease.
+		runs := 0
+		huge := strings.Repeat("x", pgidem.MaxValueBytesDefault)
+		fn := func(context.Context) (string, error) { runs++; return huge, nil }
+		_, err := pgidem.Do(b.ctx, b.coord, "t", "too-large", testTTL, nil, fn)
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable)
+		require.ErrorContains(t, err, "Config.MaxValueBytes")
+		_, err = pgidem.Do(b.ctx, b.coord, "t", "too-large", testTTL, nil, fn)
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable, "replayed, not re-run")
+		require.Equal(t, 1, runs)
+
+		small := b.newCoord(t, &pgidem.Config{MaxValueBytes: 100})
+		_, err = pgidem.DoInTx(b.ctx, small, "t", "too-large-tx", testTTL, nil,
+			func(context.Context, pgx.Tx) (string, error) { return strings.Repeat("x", 100), nil })
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable)
+		_, err = pgidem.DoInTx(b.ctx, small, "t", "fits-tx", testTTL, nil,
+			func(context.Context, pgx.Tx) (string, error) { return strings.Repeat("x", 98), nil })
+		require.NoError(t, err, "98 characters and two quotes are 100 bytes")
+	})
+
+	t.Run("DeeperThanAReplayDecodes", func(t *testing.T) {
+		// jsonb stores about 14 000 levels, but encoding/json decodes 10 000: a deeper
+		// result was stored and then failed every replay with a decoding error.
+		nest := func(depth int) any {
+			v := any(1)
+			for range depth {
+				v = []any{v}
+			}
+			return v
+		}
+		runs := 0
+		fn := func(context.Context) (any, error) { runs++; return nest(10_500), nil }
+		_, err := pgidem.Do(b.ctx, b.coord, "t", "deep", testTTL, nil, fn)
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable)
+		_, err = pgidem.Do(b.ctx, b.coord, "t", "deep", testTTL, nil, fn)
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable, "replayed, not re-run")
+		require.Equal(t, 1, runs)
+
+		fn = func(context.Context) (any, error) { runs++; return nest(9_999), nil }
+		_, err = pgidem.Do(b.ctx, b.coord, "t", "deep-enough", testTTL, nil, fn)
+		require.NoError(t, err)
+		_, err = pgidem.Do(b.ctx, b.coord, "t", "deep-enough", testTTL, nil, fn)
+		require.NoError(t, err, "replays")
+	})
+
 	t.Run("RejectedByJSONB", func(t *testing.T) {
 		// Valid JSON that jsonb refuses: found only by the write, after the effect ran.
 		for _, raw := range []string{`"\ud800"`, `1e1000000`} {
@@ -548,12 +621,24 @@ func TestConfigValidation(t *testing.T) {
 		{pgidem.Config{WaitTimeout: -1}, "Config.WaitTimeout"},
 		{pgidem.Config{PollIntervalMin: time.Second, PollIntervalMax: time.Millisecond}, "Config.PollIntervalMin"},
 		{pgidem.Config{MaxKeyBytes: 4000}, "Config.MaxKeyBytes"},
+		// The sum must not overflow into a negative number that passes the check.
+		{pgidem.Config{MaxKeyBytes: math.MaxInt}, "Config.MaxKeyBytes"},
+		{pgidem.Config{MaxKeyBytes: 1 << 62, MaxNamespaceBytes: 1 << 62}, "Config.MaxKeyBytes"},
+		{pgidem.Config{MaxValueBytes: -1}, "Config.MaxValueBytes"},
+		{pgidem.Config{MaxValueBytes: pgidem.MaxValueBytesMax + 1}, "Config.MaxValueBytes"},
+		// pgx.Identifier would drop the NUL and use schema "public" instead.
+		{pgidem.Config{Schema: "pub\x00lic"}, "Config.Schema"},
+		{pgidem.Config{Schema: "\xff"}, "Config.Schema"},
+		{pgidem.Config{Schema: strings.Repeat("s", pgidem.SchemaMaxBytes+1)}, "Config.Schema"},
 	} {
 		_, err := pgidem.NewCoordinator(b.db.Pool, &tc.cfg)
 		require.ErrorContains(t, err, tc.field)
+		require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 	}
 	_, err := pgidem.NewCoordinator(nil, nil)
-	require.Error(t, err)
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	_, err = pgidem.NewCoordinator(b.db.Pool, &pgidem.Config{Schema: strings.Repeat("s", pgidem.SchemaMaxBytes)})
+	require.NoError(t, err)
 	cfg := b.coord.Config()
 	require.Equal(t, pgidem.LeaseDefault, cfg.Lease)
 	require.Equal(t, pgidem.MinTTLDefault, cfg.MinTTL)
@@ -779,9 +864,33 @@ func TestNilArguments(t *testing.T) {
 	b := setup(t, nil)
 	_, err := pgidem.Do[int](b.ctx, b.coord, "mail", "k", testTTL, nil, nil)
 	require.ErrorContains(t, err, "must not be nil")
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 	_, err = pgidem.Do(b.ctx, nil, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
 	require.ErrorContains(t, err, "must not be nil")
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	for _, opts := range []*pgidem.DoOpts{{WaitTimeout: -1}, {InFlight: 9}} {
+		_, err = pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, opts, func(context.Context) (int, error) { panic("not run") })
+		require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	}
+	_, err = b.coord.Sweep(b.ctx, &pgidem.SweepOpts{BatchSize: -1})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 	require.Equal(t, 0, b.count(t))
+}
+
+// DoTx in a read-only transaction, which can never write the record, refuses before fn
+// runs; it used to run fn and fail only at the record's write.
+func TestDoTxReadOnlyTransaction(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	tx, err := b.db.Pool.BeginTx(b.ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(b.ctx) }()
+	_, err = pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
+		func(context.Context, pgx.Tx) (int, error) { panic("fn must not run") })
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.ErrorContains(t, err, "read-only")
+	var one int
+	require.NoError(t, tx.QueryRow(b.ctx, "SELECT 1").Scan(&one), "tx stays usable")
 }
 
 func TestSweepStoreErrorReported(t *testing.T) {

@@ -23,7 +23,10 @@ const lockTimeoutMax = time.Duration(math.MaxInt32) * time.Millisecond
 // Advisory lock statements of DoTx. The lock is transaction-scoped: Postgres releases it at
 // the caller's commit or rollback, after the commit has made the record visible.
 const (
-	sqlTryLock        = `SELECT pg_try_advisory_xact_lock($1)`
+	// sqlTryLock tries the key's lock, unless the transaction is read-only (it could not
+	// write the record): then it reports that instead of locking.
+	sqlTryLock = `SELECT current_setting('transaction_read_only') = 'on',
+	CASE WHEN current_setting('transaction_read_only') = 'on' THEN false ELSE pg_try_advisory_xact_lock($1) END`
 	sqlLock           = `SELECT pg_advisory_xact_lock($1)`
 	sqlGetLockTimeout = `SELECT current_setting('lock_timeout')`
 	sqlSetLockTimeout = `SELECT set_config('lock_timeout', $1, true)`
@@ -229,11 +232,14 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // Cancelling ctx makes DoTx return ctx's error; like any pgx query cancelled mid-flight,
 // pgx may close the connection, which ends tx (nothing commits). Database errors are
 // returned as a [*StoreError]; after one, roll tx back. [Config.FailOpen] does not apply:
-// the effect lives in the same database. DoTx is safe for concurrent use on different
-// transactions; a pgx.Tx itself is not safe for concurrent use.
+// the effect lives in the same database. A read-only tx (it could never write the record)
+// returns an error matching [ErrInvalidArgument] before fn runs, as do nil arguments. tx
+// must be on the coordinator's database: a record written elsewhere is not seen by its
+// other calls. DoTx is safe for concurrent use on different transactions; a pgx.Tx itself
+// is not safe for concurrent use.
 func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (Result[T], error) {
 	if c == nil || tx == nil || fn == nil {
-		return Result[T]{}, errors.New("pgidem: DoTx: the coordinator, tx and fn must not be nil")
+		return Result[T]{}, invalidArgument("DoTx: the coordinator, tx and fn must not be nil")
 	}
 	cl, err := c.newCall(namespace, key, ttl, opts)
 	if err != nil {
@@ -257,7 +263,7 @@ func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace
 func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	var zero T
 	if c == nil || fn == nil {
-		return zero, errors.New("pgidem: DoInTx: the coordinator and fn must not be nil")
+		return zero, invalidArgument("DoInTx: the coordinator and fn must not be nil")
 	}
 	cl, err := c.newCall(namespace, key, ttl, opts)
 	if err != nil {
@@ -434,8 +440,8 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 	batch.Queue(sqlTryLock, id)
 	batch.Queue(c.sql.dotx.read, cl.namespace, cl.key)
 	br := tx.SendBatch(ctx, batch)
-	var locked, found bool
-	err := br.QueryRow().Scan(&locked)
+	var readOnly, locked, found bool
+	err := br.QueryRow().Scan(&readOnly, &locked)
 	if err == nil && locked {
 		err = br.QueryRow().Scan(r.scanTargets(false)...)
 		found = err == nil
@@ -448,6 +454,10 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 	}
 	if err != nil {
 		return r, false, c.logStoreError(ctx, cl, storeError("lock", err))
+	}
+	if readOnly {
+		c.emitInvalid(ctx, cl.namespace)
+		return r, false, invalidArgument("DoTx: the transaction is read-only, so it cannot hold the record; fn was not run")
 	}
 	if locked {
 		return r, found, nil
@@ -590,10 +600,7 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 	}
 
 	// A panicking MarshalJSON unwinds through the deferred rollback: the effect is undone.
-	result, encErr := json.Marshal(value)
-	if encErr == nil {
-		encErr = checkEscapes(result)
-	}
+	result, encErr := encodeValue(value, c.config.MaxValueBytes)
 	if encErr != nil {
 		// fn's writes are undone with the savepoint, so the effect did not happen.
 		return out, true, fmt.Errorf("%w: %v (the transaction's effect was rolled back)", ErrResultNotStorable, encErr)

@@ -49,17 +49,38 @@ var (
 	// match it.
 	ErrPermanent = errors.New("pgidem: permanent failure")
 
-	// ErrResultNotStorable means fn succeeded but its value could not be encoded as JSON
-	// for the record (a channel, a function, NaN, a string with a NUL character), or
+	// ErrResultNotStorable means fn succeeded but its value could not be stored as JSON
+	// for the record and replayed as it was: it cannot be encoded (a channel, a function,
+	// NaN), it holds a string with a NUL character or invalid UTF-8, it is larger than
+	// [Config.MaxValueBytes] or nested deeper than encoding/json decodes (10000 levels), or
 	// Postgres refused the JSON (jsonb rejects an unpaired surrogate, a number beyond
-	// numeric's range, nesting deeper than its parser's stack allows). The record is
-	// completed without a result, so the effect is not repeated; replays return this
-	// error.
+	// numeric's range). The record is completed without a result, so the effect is not
+	// repeated; replays return this error. (In [DoTx] fn's writes are rolled back instead
+	// and nothing is recorded.)
 	ErrResultNotStorable = errors.New("pgidem: result not storable")
 
 	// ErrNotFound is returned by [Coordinator.Lookup] when no record exists for the key.
 	ErrNotFound = errors.New("pgidem: record not found")
+
+	// ErrInvalidArgument means a setting or argument other than the key and the TTL is
+	// invalid: a [Config] field out of range ([NewCoordinator]), a nil coordinator, pool,
+	// transaction or fn, a [DoOpts] or [SweepOpts] field out of range, or a read-only
+	// transaction given to [DoTx] (which must write the record). The error's message names
+	// the field. fn is not run.
+	ErrInvalidArgument = errors.New("pgidem: invalid argument")
 )
+
+// argumentError is an error matching [ErrInvalidArgument] whose message names the field.
+type argumentError struct{ msg string }
+
+func (e *argumentError) Error() string        { return e.msg }
+func (e *argumentError) Is(target error) bool { return target == ErrInvalidArgument }
+
+// invalidArgument returns an error matching [ErrInvalidArgument] with the message
+// "pgidem: " + fmt.Sprintf(format, args...).
+func invalidArgument(format string, args ...any) error {
+	return &argumentError{msg: "pgidem: " + fmt.Sprintf(format, args...)}
+}
 
 // InvalidKeyError describes why a namespace or key was rejected. It matches [ErrInvalidKey].
 type InvalidKeyError struct {

@@ -41,7 +41,8 @@ type InboxOpts struct {
 	// never read back by pgidem. It must be JSON that jsonb accepts, which is stricter than
 	// [encoding/json.Valid]: valid UTF-8 throughout, no \u0000 escape, no unpaired UTF-16
 	// surrogate escape (\ud800 alone), and numbers within Postgres's numeric range (at
-	// most 131072 digits before the decimal point and 16383 after it, exponent included).
+	// most 131072 digits before the decimal point and 16383 after it, exponent included);
+	// and it must be at most [Config.MaxValueBytes] bytes (16 MiB by default).
 	// A payload that breaks a rule returns an error matching [ErrInvalidPayload] before the
 	// transaction is touched, so it stays usable and the handler does not run; record
 	// without a payload (or with a sanitised one) to handle such a message. Default nil:
@@ -50,7 +51,8 @@ type InboxOpts struct {
 }
 
 // ErrInvalidPayload means [InboxOpts.Payload] cannot be stored in the inbox's jsonb
-// column: it is not JSON, or it is JSON that jsonb rejects (see InboxOpts.Payload). It is
+// column: it is not JSON, it is JSON that jsonb rejects, or it is larger than
+// [Config.MaxValueBytes] (see InboxOpts.Payload). It is
 // returned wrapped with the reason, before any statement runs; the message is not recorded.
 var ErrInvalidPayload = errors.New("pgidem: invalid inbox payload")
 
@@ -133,7 +135,7 @@ func (c *Coordinator) newInboxCall(consumer, messageID string, opts *InboxOpts) 
 		return nil, &InvalidTTLError{TTL: ic.retention, MinTTL: c.config.MinTTL, Lease: c.config.Lease}
 	}
 	if ic.payload != nil {
-		if err := checkPayload(ic.payload); err != nil {
+		if err := checkPayload(ic.payload, c.config.MaxValueBytes); err != nil {
 			return nil, fmt.Errorf("%w: InboxOpts.Payload %v", ErrInvalidPayload, err)
 		}
 	}
@@ -153,7 +155,10 @@ const (
 // lets it through inside strings), a \u0000 escape (jsonb cannot store NUL in text), an
 // unpaired surrogate escape, or a number outside numeric's range. Each of these would
 // otherwise fail the INSERT and abort the caller's transaction.
-func checkPayload(b []byte) error {
+func checkPayload(b []byte, maxBytes int) error {
+	if len(b) > maxBytes {
+		return fmt.Errorf("is %d bytes, more than Config.MaxValueBytes (%d)", len(b), maxBytes)
+	}
 	if !json.Valid(b) {
 		return errors.New("is not valid JSON")
 	}
@@ -319,7 +324,7 @@ func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, me
 		return false, err
 	}
 	if tx == nil {
-		return false, errors.New("pgidem: InboxRecordTx: tx is nil")
+		return false, invalidArgument("InboxRecordTx: tx is nil")
 	}
 	return c.inboxRecord(ctx, tx, ic)
 }
@@ -365,7 +370,7 @@ func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op str
 // statement and rolls back. Safe for concurrent use.
 func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID string, opts *InboxOpts, fn func(ctx context.Context, tx pgx.Tx) error) (handled bool, err error) {
 	if fn == nil {
-		return false, errors.New("pgidem: InboxHandle: fn must not be nil")
+		return false, invalidArgument("InboxHandle: fn must not be nil")
 	}
 	ic, err := c.newInboxCall(consumer, messageID, opts)
 	if err != nil {

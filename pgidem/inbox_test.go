@@ -216,13 +216,20 @@ func TestInboxInvalid(t *testing.T) {
 		{"ShortRetention", "c", "m", &pgidem.InboxOpts{Retention: time.Second}, pgidem.ErrInvalidTTL},
 		{"PayloadNotJSON", "c", "m", &pgidem.InboxOpts{Payload: []byte("{")}, pgidem.ErrInvalidPayload},
 		{"PayloadNulEscape", "c", "m", &pgidem.InboxOpts{Payload: []byte(`"\u0000"`)}, pgidem.ErrInvalidPayload},
+		// Over Config.MaxValueBytes. Such a payload (17 M array elements) used to reach
+		// jsonb, fail with an internal error, and abort the caller's transaction.
+		{"PayloadTooLarge", "c", "m", &pgidem.InboxOpts{Payload: []byte(`"` + strings.Repeat("x", pgidem.MaxValueBytesDefault) + `"`)}, pgidem.ErrInvalidPayload},
+		{"NilFn", "c", "m", nil, pgidem.ErrInvalidArgument},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			var ran atomic.Bool
-			handled, err := b.coord.InboxHandle(b.ctx, tt.consumer, tt.messageID, tt.opts,
-				func(ctx context.Context, tx pgx.Tx) error { ran.Store(true); return nil })
+			fn := func(ctx context.Context, tx pgx.Tx) error { ran.Store(true); return nil }
+			if tt.want == pgidem.ErrInvalidArgument {
+				fn = nil
+			}
+			handled, err := b.coord.InboxHandle(b.ctx, tt.consumer, tt.messageID, tt.opts, fn)
 			require.Error(t, err)
 			if tt.want != nil {
 				require.ErrorIs(t, err, tt.want)
@@ -230,9 +237,12 @@ func TestInboxInvalid(t *testing.T) {
 			require.False(t, handled)
 			require.False(t, ran.Load())
 
+			if fn == nil {
+				return // InboxRecordTx takes no fn
+			}
 			tx := b.begin(t)
 			_, err = b.coord.InboxRecordTx(b.ctx, tx, tt.consumer, tt.messageID, tt.opts)
-			require.Error(t, err)
+			require.ErrorIs(t, err, tt.want)
 			requireUsable(t, b.ctx, tx)
 		})
 	}

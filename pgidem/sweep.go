@@ -3,7 +3,6 @@ package pgidem
 import (
 	"cmp"
 	"context"
-	"fmt"
 	"log/slog"
 	"time"
 )
@@ -43,7 +42,7 @@ func (c *Coordinator) Sweep(ctx context.Context, opts *SweepOpts) (*SweepResult,
 		opts = &SweepOpts{}
 	}
 	if opts.BatchSize < 0 || opts.MaxBatches < 0 || opts.Pause < 0 {
-		return &SweepResult{}, fmt.Errorf("pgidem: SweepOpts.BatchSize %d, MaxBatches %d and Pause %s must not be negative", opts.BatchSize, opts.MaxBatches, opts.Pause)
+		return &SweepResult{}, invalidArgument("SweepOpts.BatchSize %d, MaxBatches %d and Pause %s must not be negative", opts.BatchSize, opts.MaxBatches, opts.Pause)
 	}
 	batch := cmp.Or(opts.BatchSize, SweepBatchSizeDefault)
 	res := &SweepResult{}

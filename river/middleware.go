@@ -121,8 +121,8 @@ const (
 	// river.JobCancel so River does not retry it.
 	ActionCancelled Action = "cancelled"
 	// ActionError: the middleware could not decide (invalid key, undecodable args, store
-	// unreachable, the lease lost while a worker that then failed ran); the error was
-	// returned to River, which retries the job.
+	// unreachable, the lease lost while the worker ran); the error was returned to River,
+	// which retries the job.
 	ActionError Action = "error"
 	// ActionSkipped: the kind is excluded ([Config.ExcludeKinds], [SweepKind]); the
 	// worker ran without a reservation.
@@ -156,18 +156,19 @@ type Outcome struct {
 	Output json.RawMessage
 	// OutputNotStored is true when the effect succeeded but the output it recorded with
 	// [RecordOutput] could not be stored in the pgidem record (pgidem's
-	// [pgidem.ErrResultNotStorable]: a string with a NUL character or invalid UTF-8). The
+	// [pgidem.ErrResultNotStorable]: a string with a NUL character, or too large). The
 	// record is completed without it, so the effect is not repeated, and the job completes
 	// ([ActionExecuted]); replays of the key complete without output ([ActionReplayed]).
 	OutputNotStored bool
 	// RecordNotCompleted is true when the worker succeeded but pgidem could not complete
-	// its record: the store kept failing through pgidem's finishing retries
-	// ([pgidem.ErrStoreUnavailable]), or the lease had been lost to a takeover
-	// ([pgidem.ErrLeaseLost]). The job completes all the same ([ActionExecuted], logged at
-	// error): its effect ran, and a retry of the job would take the reservation over once
-	// its lease ends and run the effect again. The record stays in progress until then;
-	// another job with the key that comes later takes it over ([Outcome.TookOver]) and
-	// runs the effect again.
+	// its record because the store kept failing through pgidem's finishing retries
+	// ([pgidem.ErrStoreUnavailable]). The job completes all the same ([ActionExecuted],
+	// logged at error): its effect ran, and a retry of the job would take the reservation
+	// over once its lease ends and run the effect again. The record stays in progress
+	// until then; another job with the key that comes later takes it over
+	// ([Outcome.TookOver]) and runs the effect again. (A lease lost to a takeover is
+	// different: the job fails with [pgidem.ErrLeaseLost], and its retry replays or waits
+	// for the new holder's outcome.)
 	RecordNotCompleted bool
 	// Snooze is the delay given to river.JobSnooze for [ActionSnoozed].
 	Snooze time.Duration
@@ -280,8 +281,8 @@ type Stats struct {
 	// FailedOpen counts executions whose worker ran without a reservation because the
 	// store was unreachable and the coordinator fails open ([Outcome.FailedOpen]).
 	FailedOpen int64
-	// RecordNotCompleted counts executions whose worker succeeded but whose record could
-	// not be completed ([Outcome.RecordNotCompleted]); they count in Executed too.
+	// RecordNotCompleted counts executions whose worker succeeded but whose record the
+	// store failed to complete ([Outcome.RecordNotCompleted]); they count in Executed too.
 	RecordNotCompleted int64
 }
 
@@ -664,11 +665,11 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	case errors.Is(err, pgidem.ErrPermanent):
 		out.Action = ActionCancelled
 		return river.JobCancel(err)
-	case succeeded:
-		// The worker succeeded and its effect ran, but its record could not be completed
-		// (the store kept failing, or the lease was lost). A retry of this job would find
-		// the reservation in progress until its lease ends, then take it over and run the
-		// effect again, so the job completes. pgidem logged the store error or lost lease.
+	case succeeded && !errors.Is(err, pgidem.ErrLeaseLost):
+		// The worker succeeded and its effect ran, but the store kept failing, so its
+		// record could not be completed. A retry of this job would find the reservation in
+		// progress until its lease ends, then take it over and run the effect again, so
+		// the job completes. pgidem logged the store error.
 		out.Action = ActionExecuted
 		out.RecordNotCompleted = true
 		out.Output = res.Value.Output
@@ -678,9 +679,9 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 			slog.String("namespace", out.Namespace), slog.String("key", out.Key), slog.String("error", err.Error()))
 		return nil
 	case ran && errors.Is(err, pgidem.ErrLeaseLost):
-		// The lease was lost while the worker ran and the worker failed: nothing was
-		// released (the record is another holder's now), and River's retry replays or
-		// waits for that holder's outcome.
+		// The lease was lost while the worker ran: nothing was released or completed (the
+		// record is another holder's now), and River's retry replays or waits for that
+		// holder's outcome. The error makes the anomaly visible on the job.
 		out.Action = ActionError
 		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
 	case ran:
@@ -776,13 +777,16 @@ func (s *outputSlot) get() json.RawMessage {
 // returns an error (prefixed "pgidemriver: RecordOutput: ") when output cannot be encoded
 // or River rejects it (outside a worker, or above River's size limit).
 //
-// Output that JSON can encode but the pgidem record cannot store exactly — a string with a
-// NUL character or invalid UTF-8 ([pgidem.ErrResultNotStorable]) — is not an error here:
-// the effect has already run, so the middleware completes the record without the output
-// (the effect is never repeated for its key), completes the job (River keeps the output it
-// recorded in the job's metadata), logs a warning and reports [Outcome.OutputNotStored].
-// Later replays of the key complete without output. River's metadata is jsonb too, so it
-// cannot hold a NUL character either: keep receipts to valid UTF-8 without NUL.
+// Output that JSON can encode but the pgidem record cannot store — a string with a NUL
+// character, or more than [pgidem.Config.MaxValueBytes] of JSON
+// ([pgidem.ErrResultNotStorable]) — is not an error here: the effect has already run, so
+// the middleware completes the record without the output (the effect is never repeated
+// for its key), completes the job (River keeps the output it recorded in the job's
+// metadata), logs a warning and reports [Outcome.OutputNotStored]. Later replays of the
+// key complete without output. River's metadata is jsonb too, so it cannot hold a NUL
+// character either: keep receipts to valid UTF-8 without NUL. A string with invalid
+// UTF-8 is recorded by both as encoding/json writes it, with U+FFFD in place of each
+// invalid byte, and replays that way.
 func RecordOutput(ctx context.Context, output any) error {
 	b, err := json.Marshal(output)
 	if err != nil {

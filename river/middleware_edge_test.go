@@ -265,17 +265,21 @@ func (w *selfMiddlewareWorker) Middleware(*rivertype.JobRow) []rivertype.WorkerM
 	return []rivertype.WorkerMiddleware{w.mw}
 }
 
-// Output that the pgidem record cannot store (invalid UTF-8) does not make the middleware
-// misreport the run: the effect ran once, the job completes (ActionExecuted,
-// OutputNotStored), and a later job with the key replays and completes without output —
-// never released, retried or cancelled.
+// Output that the pgidem record cannot store (here: larger than the coordinator's
+// MaxValueBytes, though River takes it) does not make the middleware misreport the run:
+// the effect ran once, the job completes (ActionExecuted, OutputNotStored), and a later job
+// with the key replays and completes without output — never released, retried or
+// cancelled.
 func TestOutputNotStorableCompletes(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
+	var err error
+	b.coord, err = pgidem.NewCoordinator(b.db.Pool, &pgidem.Config{MaxValueBytes: 200})
+	require.NoError(t, err)
 	mw, outs := b.newMiddleware(t, nil)
 	worker := &effectWorker[InvoiceArgs]{pool: b.db.Pool,
 		after: func(ctx context.Context, _ *river.Job[InvoiceArgs]) error {
-			return pgidemriver.RecordOutput(ctx, "receipt \xff")
+			return pgidemriver.RecordOutput(ctx, "receipt "+strings.Repeat("x", 200))
 		}}
 	workers := river.NewWorkers()
 	pgidemriver.AddWorker(workers, mw, worker)

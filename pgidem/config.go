@@ -24,6 +24,8 @@ const (
 
 	// FinishTimeoutDefault is the default [Config.FinishTimeout].
 	FinishTimeoutDefault = 10 * time.Second
+	// FinishTimeoutMin is the shortest [Config.FinishTimeout] accepted.
+	FinishTimeoutMin = 100 * time.Millisecond
 
 	// MaxBatchDefault is the default [Config.MaxBatch].
 	MaxBatchDefault = 64
@@ -126,7 +128,10 @@ type Config struct {
 	// A write that shares a round ([Config.MaxBatch]) first waits for the round in flight,
 	// and one whose round was refused then runs alone, each bounded by FinishTimeout: a
 	// cancelled caller can wait about two to three times FinishTimeout when the store is
-	// stuck. Default [FinishTimeoutDefault] (10 s).
+	// stuck. Keep it well above the store's round trip and lock waits: a finishing write
+	// cut short leaves the record in progress until its lease ends, and the effect then
+	// runs again. Default [FinishTimeoutDefault] (10 s), minimum [FinishTimeoutMin]
+	// (100 ms).
 	FinishTimeout time.Duration
 
 	// MaxBatch is the most calls one reserving insert, or one completing write, carries.
@@ -209,8 +214,8 @@ func (c *Config) validate() error {
 		return invalidArgument("Config.WaitTimeout %s must not be negative", c.WaitTimeout)
 	case c.PollIntervalMin < 0 || c.PollIntervalMax < c.PollIntervalMin || c.PollIntervalMax > PollIntervalMaxMax:
 		return invalidArgument("Config.PollIntervalMin %s and Config.PollIntervalMax %s must satisfy 0 <= min <= max <= %s", c.PollIntervalMin, c.PollIntervalMax, PollIntervalMaxMax)
-	case c.FinishTimeout < 0:
-		return invalidArgument("Config.FinishTimeout %s must not be negative", c.FinishTimeout)
+	case c.FinishTimeout < FinishTimeoutMin:
+		return invalidArgument("Config.FinishTimeout %s is below the minimum %s", c.FinishTimeout, FinishTimeoutMin)
 	case c.MaxBatch < 1:
 		return invalidArgument("Config.MaxBatch %d must be positive", c.MaxBatch)
 	case c.MaxKeyBytes < 1 || c.MaxNamespaceBytes < 1 || c.MaxKeyBytes > MaxKeyBytesMax-c.MaxNamespaceBytes:

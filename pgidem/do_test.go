@@ -625,6 +625,8 @@ func TestConfigValidation(t *testing.T) {
 		{pgidem.Config{MaxKeyBytes: math.MaxInt}, "Config.MaxKeyBytes"},
 		{pgidem.Config{MaxKeyBytes: 1 << 62, MaxNamespaceBytes: 1 << 62}, "Config.MaxKeyBytes"},
 		{pgidem.Config{MaxValueBytes: -1}, "Config.MaxValueBytes"},
+		{pgidem.Config{FinishTimeout: time.Nanosecond}, "Config.FinishTimeout"},
+		{pgidem.Config{FinishTimeout: -1}, "Config.FinishTimeout"},
 		{pgidem.Config{MaxValueBytes: pgidem.MaxValueBytesMax + 1}, "Config.MaxValueBytes"},
 		// pgx.Identifier would drop the NUL and use schema "public" instead.
 		{pgidem.Config{Schema: "pub\x00lic"}, "Config.Schema"},

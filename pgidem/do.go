@@ -89,8 +89,9 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // record counts, measured from completion (while in progress, from the holder's last
 // heartbeat: its record expires a ttl after its lease, so a dead holder is always taken
 // over first): at least [Config.MinTTL] and longer than the lease, or [*InvalidTTLError].
-// Make it outlive the queue's retry and retention horizon. A nil c or fn, or a [DoOpts]
-// field out of range, returns an error matching [ErrInvalidArgument]; fn is not run.
+// Make it outlive the queue's retry and retention horizon. A nil c or fn, a [DoOpts] field
+// out of range, or a call for the key from within the fn of a call holding it (it would
+// wait for itself) returns an error matching [ErrInvalidArgument]; fn is not run.
 //
 // The first caller reserves the key and runs fn with a context that carries the key
 // ([KeyFromContext]) and is cancelled with cause [ErrLeaseLost] if the reservation is
@@ -139,6 +140,9 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 		return res, invalidArgument("Do: the coordinator and fn must not be nil")
 	}
 	call, err := c.newCall(namespace, key, ttl, opts)
+	if err == nil {
+		err = checkNotHeld(ctx, "Do", namespace, key)
+	}
 	if err != nil {
 		c.emitInvalid(ctx, namespace)
 		return res, err
@@ -358,11 +362,12 @@ func (c *Coordinator) checkFingerprint(ctx context.Context, cl *call, r *row) er
 // waiter applies the in-flight policy to a record in progress under a live lease, for Do
 // and DoTx alike.
 type waiter struct {
-	c       *Coordinator
-	cl      *call
-	start   time.Time // when the wait budget started; zero: at the first wait
-	backoff time.Duration
-	waited  bool
+	c        *Coordinator
+	cl       *call
+	start    time.Time // when the wait budget started; zero: at the first wait
+	backoff  time.Duration
+	waited   bool
+	maxSleep time.Duration // a bound on each sleep; 0: none
 }
 
 func (c *Coordinator) newWaiter(cl *call, start time.Time, waited bool) *waiter {
@@ -395,6 +400,9 @@ func (w *waiter) inProgress(ctx context.Context, r *row) error {
 		return inProgress
 	}
 	sleep := min(jitter(w.backoff), retryAfter+time.Millisecond, remaining)
+	if w.maxSleep > 0 {
+		sleep = min(sleep, w.maxSleep)
+	}
 	w.backoff = min(w.backoff*2, c.config.PollIntervalMax)
 	return sleepCtx(ctx, sleep)
 }

@@ -27,9 +27,14 @@ const (
 	// write the record): then it reports that instead of locking.
 	sqlTryLock = `SELECT current_setting('transaction_read_only') = 'on',
 	CASE WHEN current_setting('transaction_read_only') = 'on' THEN false ELSE pg_try_advisory_xact_lock($1) END`
-	sqlLock           = `SELECT pg_advisory_xact_lock($1)`
-	sqlGetLockTimeout = `SELECT current_setting('lock_timeout')`
-	sqlSetLockTimeout = `SELECT set_config('lock_timeout', $1, true)`
+	sqlLock = `SELECT pg_advisory_xact_lock($1)`
+	// The wait for the lock is bounded by lock_timeout alone: the caller's
+	// statement_timeout is lifted meanwhile (a shorter one would end the wait as a
+	// cancelled statement) and both are put back after it.
+	sqlGetLockTimeout = `SELECT current_setting('lock_timeout'), current_setting('statement_timeout')`
+	// sqlIdleTimeout reads idle_in_transaction_session_timeout in milliseconds.
+	sqlIdleTimeout    = `SELECT setting::bigint FROM pg_catalog.pg_settings WHERE name = 'idle_in_transaction_session_timeout'`
+	sqlSetLockTimeout = `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)`
 )
 
 // dotxStatements holds DoTx's SQL with the table name quoted in.
@@ -233,7 +238,9 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // pgx may close the connection, which ends tx (nothing commits). Database errors are
 // returned as a [*StoreError]; after one, roll tx back. [Config.FailOpen] does not apply:
 // the effect lives in the same database. A read-only tx (it could never write the record)
-// returns an error matching [ErrInvalidArgument] before fn runs, as do nil arguments. tx
+// returns an error matching [ErrInvalidArgument] before fn runs, as do nil arguments and
+// a call for the key from within the fn of a call holding it (in the same transaction it
+// would find its own record and run fn again and again). tx
 // must be on the coordinator's database: a record written elsewhere is not seen by its
 // other calls. DoTx is safe for concurrent use on different transactions; a pgx.Tx itself
 // is not safe for concurrent use.
@@ -242,6 +249,9 @@ func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace
 		return Result[T]{}, invalidArgument("DoTx: the coordinator, tx and fn must not be nil")
 	}
 	cl, err := c.newCall(namespace, key, ttl, opts)
+	if err == nil {
+		err = checkNotHeld(ctx, "DoTx", namespace, key)
+	}
 	if err != nil {
 		c.emitInvalid(ctx, namespace)
 		return Result[T]{}, err
@@ -266,6 +276,9 @@ func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, t
 		return zero, invalidArgument("DoInTx: the coordinator and fn must not be nil")
 	}
 	cl, err := c.newCall(namespace, key, ttl, opts)
+	if err == nil {
+		err = checkNotHeld(ctx, "DoInTx", namespace, key)
+	}
 	if err != nil {
 		c.emitInvalid(ctx, namespace)
 		return zero, err
@@ -307,6 +320,10 @@ const savepointName = "pgidem_dotx"
 // Postgres's per-backend cache of subtransactions overflows, which slows every snapshot
 // in the cluster while the transaction stays open. Everything else is the caller's tx
 // (Begin makes a pgx savepoint inside this one).
+//
+// It counts as closed only once its release succeeded: a Commit or Rollback that failed (a
+// cancelled ctx refuses the statement and keeps the connection) can be rolled back again on
+// a detached context, so fn's writes never stay behind in an open savepoint.
 type savepoint struct {
 	pgx.Tx
 	closed bool
@@ -324,8 +341,8 @@ func (s *savepoint) Commit(ctx context.Context) error {
 	if s.closed {
 		return pgx.ErrTxClosed
 	}
-	s.closed = true
 	_, err := s.Tx.Exec(ctx, "RELEASE SAVEPOINT "+savepointName)
+	s.closed = err == nil
 	return err
 }
 
@@ -334,11 +351,11 @@ func (s *savepoint) Rollback(ctx context.Context) error {
 	if s.closed {
 		return pgx.ErrTxClosed
 	}
-	s.closed = true
 	if _, err := s.Tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepointName); err != nil {
 		return err
 	}
 	_, err := s.Tx.Exec(ctx, "RELEASE SAVEPOINT "+savepointName)
+	s.closed = err == nil
 	return err
 }
 
@@ -363,7 +380,7 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 		return res, false, err
 	}
 	w := c.newWaiter(cl, start, res.Waited) // the lock wait spends the same budget
-	races := 0
+	races, idleChecked := 0, false
 	for {
 		if found {
 			if err := c.checkFingerprint(ctx, cl, &r); err != nil {
@@ -378,7 +395,15 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 			return res, false, decodeReplay(cl, r, &res.Value)
 
 		case found && !r.available():
-			// In progress under a live lease: a Do holder is running the effect.
+			// In progress under a live lease: a Do holder is running the effect. tx stays
+			// idle while DoTx sleeps between reads, so each sleep stays well inside the
+			// session's idle_in_transaction_session_timeout, which would end tx.
+			if cl.policy == InFlightWait && !idleChecked {
+				idleChecked = true
+				if w.maxSleep, err = c.txIdleBound(ctx, tx, cl); err != nil {
+					return res, false, err
+				}
+			}
 			err := w.inProgress(ctx, &r)
 			res.Waited = w.waited
 			if err != nil {
@@ -415,6 +440,17 @@ func doTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn fu
 			return res, false, err
 		}
 	}
+}
+
+// txIdleBound returns a third of tx's idle_in_transaction_session_timeout, or 0 when it has
+// none: how long DoTx may leave tx idle at a time.
+func (c *Coordinator) txIdleBound(ctx context.Context, tx pgx.Tx, cl *call) (time.Duration, error) {
+	var ms int64
+	err := tx.QueryRow(ctx, sqlIdleTimeout).Scan(&ms)
+	if err != nil {
+		return 0, c.logStoreError(ctx, cl, storeError("lookup", err))
+	}
+	return time.Duration(ms) * time.Millisecond / 3, nil
 }
 
 // txRead reads the key's record in tx. found is false when there is no row.
@@ -496,8 +532,8 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 
 // txWaitLock blocks on the advisory lock for at most timeout, inside a savepoint so that a
 // lock timeout (which raises an error) does not abort the caller's transaction. It sets
-// lock_timeout with SET LOCAL semantics and restores the caller's value afterwards; rolling
-// back to the savepoint restores it too.
+// lock_timeout (and lifts statement_timeout) with SET LOCAL semantics and restores the
+// caller's values afterwards; rolling back to the savepoint restores them too.
 func (c *Coordinator) txWaitLock(ctx context.Context, tx pgx.Tx, cl *call, id int64, timeout time.Duration) error {
 	sp, err := beginSavepoint(ctx, tx)
 	if err != nil {
@@ -508,11 +544,11 @@ func (c *Coordinator) txWaitLock(ctx context.Context, tx pgx.Tx, cl *call, id in
 	ms := min(max((timeout+time.Millisecond-1)/time.Millisecond, 1), lockTimeoutMax/time.Millisecond)
 	batch := &pgx.Batch{}
 	batch.Queue(sqlGetLockTimeout)
-	batch.Queue(sqlSetLockTimeout, fmt.Sprintf("%dms", ms))
+	batch.Queue(sqlSetLockTimeout, fmt.Sprintf("%dms", ms), "0")
 	batch.Queue(sqlLock, id)
 	br := sp.SendBatch(ctx, batch)
-	var previous string
-	err = br.QueryRow().Scan(&previous)
+	var previousLock, previousStatement string
+	err = br.QueryRow().Scan(&previousLock, &previousStatement)
 	if err == nil {
 		_, err = br.Exec()
 	}
@@ -529,12 +565,16 @@ func (c *Coordinator) txWaitLock(ctx context.Context, tx pgx.Tx, cl *call, id in
 		}
 		return err
 	}
-	if _, err := sp.Exec(ctx, sqlSetLockTimeout, previous); err != nil {
+	if _, err := sp.Exec(ctx, sqlSetLockTimeout, previousLock, previousStatement); err != nil {
 		c.rollbackDetached(ctx, sp)
 		return err
 	}
 	// Releasing the savepoint keeps the lock: it passes to the enclosing transaction.
-	return sp.Commit(ctx)
+	if err := sp.Commit(ctx); err != nil {
+		c.rollbackDetached(ctx, sp)
+		return err
+	}
+	return nil
 }
 
 // txOutcome is what runTx produced when its record write won.
@@ -576,6 +616,7 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 		// until the holder's lease ran out and tx took over a live holder.
 		notStored := func(err error) error { return fmt.Errorf("%w (the failure was not stored: %w)", fnErr, err) }
 		if err := sp.Rollback(ctx); err != nil {
+			// The deferred rollback, on a detached context, undoes fn's writes.
 			return out, true, notStored(c.logStoreError(ctx, cl, storeError("release", err)))
 		}
 		failure, _ := json.Marshal(storedFailure{Message: storableMessage(permanent.Error())})
@@ -591,10 +632,10 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 		if !won {
 			return out, false, nil // the deferred rollback releases the row lock
 		}
-		released = true
 		if err := sp.Commit(ctx); err != nil { // releasing the savepoint keeps the lock in tx
 			return out, true, notStored(c.logStoreError(ctx, cl, storeError("complete", err)))
 		}
+		released = true
 		out.failureStored = true
 		return out, true, fnErr
 	}

@@ -315,8 +315,10 @@ func numericFits(b []byte) (int, bool) {
 // deleting the expired row this call would reuse, may instead fail with a serialization
 // failure (SQLSTATE 40001, returned as a [*StoreError] whose Err is the *pgconn.PgError);
 // retry the transaction. Database errors are returned as a [*StoreError] for op "inbox";
-// roll tx back after one. Cancelling ctx
-// cancels the statement. Safe for concurrent use on different transactions.
+// roll tx back after one. tx must be read-write: in a read-only transaction the statement
+// is refused (a *StoreError) and tx is aborted. Cancelling ctx ends the statement (pgx
+// may close the connection, which ends tx). Safe for concurrent use on different
+// transactions.
 func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, messageID string, opts *InboxOpts) (bool, error) {
 	ic, err := c.newInboxCall(consumer, messageID, opts)
 	if err != nil {
@@ -366,8 +368,10 @@ func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op str
 // transaction and then skips, or runs if the first rolled back.
 //
 // fn's writes must go through its tx to be exactly-once; an effect outside the database
-// (a mail) needs [Do] inside fn, keyed by the effect. Cancelling ctx cancels the current
-// statement and rolls back. Safe for concurrent use.
+// (a mail) needs [Do] inside fn, keyed by the effect; Do takes a second connection from
+// the pool while InboxHandle holds one, so size the pool above the number of concurrent
+// handlers. Cancelling ctx ends the current statement (pgx may close the connection) and
+// the transaction rolls back. Safe for concurrent use.
 func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID string, opts *InboxOpts, fn func(ctx context.Context, tx pgx.Tx) error) (handled bool, err error) {
 	if fn == nil {
 		return false, invalidArgument("InboxHandle: fn must not be nil")

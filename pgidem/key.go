@@ -54,3 +54,14 @@ func KeyFromContext(ctx context.Context) (namespace, key string, ok bool) {
 	info, ok := ctx.Value(keyContextKey{}).(keyInfo)
 	return info.namespace, info.key, ok
 }
+
+// checkNotHeld refuses a call for (namespace, key) made from within the fn of a call that
+// holds that same key (its context carries it, [KeyFromContext]): the inner call would
+// wait for the outer one, which waits for it, or (DoTx in the same transaction) find its
+// own record and run fn again and again.
+func checkNotHeld(ctx context.Context, op, namespace, key string) error {
+	if ns, k, ok := KeyFromContext(ctx); ok && ns == namespace && k == key {
+		return invalidArgument("%s: %s/%s is called from within the fn of a call holding that key", op, namespace, key)
+	}
+	return nil
+}

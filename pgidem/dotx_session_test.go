@@ -1,0 +1,155 @@
+package pgidem_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgidem/pgidem/pgidem"
+)
+
+// Tests of DoTx against the caller's session: its timeouts, its cancellation, and fn
+// calling back into pgidem.
+
+// A caller's statement_timeout shorter than the wait: DoTx waits for the lock holder and
+// replays, and puts the caller's statement_timeout and lock_timeout back. The lock wait
+// used to be cancelled by statement_timeout and reported as a store outage.
+func TestDoTxWaitOutlivesStatementTimeout(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	holder := b.holdKey(t, "ledger", "k")
+
+	type outcome struct {
+		res                 pgidem.Result[string]
+		statementTO, lockTO string
+		err                 error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		var out outcome
+		defer func() { done <- out }()
+		tx, err := b.db.Pool.Begin(b.ctx)
+		if err != nil {
+			out.err = err
+			return
+		}
+		defer tx.Rollback(b.ctx) //nolint:errcheck // test cleanup
+		if _, out.err = tx.Exec(b.ctx, `SET LOCAL statement_timeout = '300ms'`); out.err != nil {
+			return
+		}
+		out.res, out.err = pgidem.DoTxResult(b.ctx, b.coord, tx, "ledger", "k", testTTL,
+			&pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: time.Minute},
+			func(ctx context.Context, tx pgx.Tx) (string, error) { return "waiter", nil })
+		if out.err == nil {
+			out.err = tx.QueryRow(b.ctx, `SELECT current_setting('statement_timeout'), current_setting('lock_timeout')`).
+				Scan(&out.statementTO, &out.lockTO)
+		}
+	}()
+	b.waitForBlocked(t, "advisory", 1)
+	time.Sleep(600 * time.Millisecond) // the wait outlasts the caller's statement_timeout
+	require.NoError(t, holder.Commit(b.ctx))
+	out := <-done
+	require.NoError(t, out.err)
+	require.True(t, out.res.Replayed)
+	require.Equal(t, "holder", out.res.Value)
+	require.Equal(t, "300ms", out.statementTO)
+	require.Equal(t, "0", out.lockTO)
+}
+
+// fn returns a Permanent error as the caller's context ends: the failure cannot be stored
+// on that context, and fn's writes must still be undone. The savepoint used to count as
+// closed before its ROLLBACK TO ran; the statement was refused on the cancelled context,
+// fn's writes stayed in tx, and a caller that committed kept the effect with no record, so
+// the next delivery ran fn again.
+func TestDoTxPermanentAfterCancelUndoesWrites(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.createLedger(t)
+	var runs atomic.Int32
+	fn := func(cancel context.CancelFunc) func(ctx context.Context, tx pgx.Tx) (string, error) {
+		return func(ctx context.Context, tx pgx.Tx) (string, error) {
+			runs.Add(1)
+			if _, err := tx.Exec(ctx, `INSERT INTO ledger (ref) VALUES ('charge')`); err != nil {
+				return "", err
+			}
+			cancel() // the caller's deadline passes as fn returns
+			return "", pgidem.Permanent(errors.New("card declined"))
+		}
+	}
+	tx := b.begin(t)
+	ctx, cancel := context.WithCancel(b.ctx)
+	defer cancel()
+	_, err := pgidem.DoTx(ctx, b.coord, tx, "charge", "order-1", testTTL, nil, fn(cancel))
+	require.ErrorIs(t, err, pgidem.ErrPermanent)
+	require.ErrorContains(t, err, "the failure was not stored")
+	requireUsable(t, b.ctx, tx)
+	var inTx int
+	require.NoError(t, tx.QueryRow(b.ctx, `SELECT count(*) FROM ledger WHERE ref = 'charge'`).Scan(&inTx))
+	require.Zero(t, inTx, "fn's writes are undone")
+	require.NoError(t, tx.Commit(b.ctx))
+
+	_, err = pgidem.DoInTx(b.ctx, b.coord, "charge", "order-1", testTTL, nil, fn(func() {}))
+	require.ErrorIs(t, err, pgidem.ErrPermanent)
+	require.Zero(t, b.ledgerRows(t, "charge"), "a permanent failure never commits its writes")
+}
+
+// fn calling DoTx (or Do) on its own key is refused at once. Nested DoTx in the same
+// transaction used to find its own record, run fn eleven times and fail with a store
+// error; Do inside Do's fn waited for itself until the wait timeout.
+func TestCallForHeldKeyFromFn(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.createLedger(t)
+	var outer, inner atomic.Int32
+	_, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			outer.Add(1)
+			return pgidem.DoTx(ctx, b.coord, tx, "ledger", "k", testTTL, nil, ledgerInsert("r", &inner))
+		})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.EqualValues(t, 1, outer.Load())
+	require.Zero(t, inner.Load())
+	require.Zero(t, b.ledgerRows(t, "r"))
+
+	_, err = pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (int, error) {
+		return pgidem.Do(ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+	})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+
+	// Another key from within fn is fine.
+	_, err = pgidem.DoInTx(b.ctx, b.coord, "ledger", "outer", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			return pgidem.DoTx(ctx, b.coord, tx, "ledger", "inner", testTTL, nil, ledgerInsert("inner", &inner))
+		})
+	require.NoError(t, err)
+	require.Equal(t, 1, b.ledgerRows(t, "inner"))
+}
+
+// DoTx waiting for a Do holder leaves tx idle between its reads; each sleep stays inside
+// the session's idle_in_transaction_session_timeout, which would otherwise end the
+// caller's transaction (a sleep could reach 1.5 × PollIntervalMax, 1.5 s by default).
+func TestDoTxWaitForDoKeepsTxAlive(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.hold(b.coord, "mail", "k", nil, "from-do")
+	tx := b.begin(t)
+	_, err := tx.Exec(b.ctx, `SET LOCAL idle_in_transaction_session_timeout = '1s'`)
+	require.NoError(t, err)
+	go func() {
+		time.Sleep(4 * time.Second) // several of the waiter's longest sleeps
+		h.unblock()
+	}()
+	res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "mail", "k", testTTL,
+		&pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: 30 * time.Second},
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "from-dotx", nil })
+	require.NoError(t, <-h.done)
+	require.NoError(t, err)
+	require.True(t, res.Replayed)
+	require.Equal(t, "from-do", res.Value)
+	requireUsable(t, b.ctx, tx)
+}

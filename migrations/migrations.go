@@ -170,7 +170,8 @@ func OpenDB(connString, schema string) (*sql.DB, error) {
 //     [OpenDB].
 //
 // Like goose's own provider, the returned provider creates [VersionTable] in the current
-// schema on its first operation, Status and version queries included.
+// schema on its first operation, Status and version queries included; [Status], [Down]
+// and [Installed] do not where pgidem was never installed.
 func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, error) {
 	if db == nil {
 		return nil, errors.New("pgidem: migrations: db is nil")
@@ -344,14 +345,40 @@ func Up(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, 
 	return results, nil
 }
 
+// Installed reports whether pgidem's version table ([VersionTable]) exists in db's current
+// schema, where [Opts.Schema] (or the search_path) points: false means no pgidem migration
+// was ever applied there. It creates nothing, and returns the errors of [NewProvider].
+func Installed(ctx context.Context, db *sql.DB, opts *Opts) (bool, error) {
+	if _, err := NewProvider(ctx, db, opts); err != nil {
+		return false, err
+	}
+	return installed(ctx, db)
+}
+
+// installed is [Installed] after NewProvider's checks.
+func installed(ctx context.Context, db *sql.DB) (bool, error) {
+	var exists bool
+	err := db.QueryRowContext(ctx, `SELECT EXISTS (
+		SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+		WHERE c.relname = $1 AND n.nspname = current_schema())`, VersionTable).Scan(&exists)
+	if err != nil {
+		return false, fmt.Errorf("pgidem: migrations: look for the version table: %w", err)
+	}
+	return exists, nil
+}
+
 // Down rolls back every applied pgidem migration, removing all of pgidem's tables (records
 // and their data included). It leaves the version table, holding only goose's initial
-// version-0 row, and the schema. It holds [LockID] like [Up], and returns the errors of
-// [NewProvider] (a missing Opts.Schema among them). Use [NewProvider] and DownTo to roll
+// version-0 row, and the schema. Where pgidem was never installed ([Installed] is false)
+// it does nothing and creates nothing. It holds [LockID] like [Up], and returns the errors
+// of [NewProvider] (a missing Opts.Schema among them). Use [NewProvider] and DownTo to roll
 // back part of the way.
 func Down(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, error) {
 	provider, err := NewProvider(ctx, db, opts)
 	if err != nil {
+		return nil, err
+	}
+	if ok, err := installed(ctx, db); err != nil || !ok {
 		return nil, err
 	}
 	results, err := provider.DownTo(ctx, 0)
@@ -361,8 +388,10 @@ func Down(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult
 	return results, nil
 }
 
-// Status reports every pgidem migration and whether it has been applied. It returns the
-// errors of [NewProvider] (a missing Opts.Schema among them).
+// Status reports every pgidem migration and whether it has been applied. Where pgidem was
+// never installed ([Installed] is false) every migration is pending and nothing is
+// created (goose's own Status would create the version table). It returns the errors of
+// [NewProvider] (a missing Opts.Schema among them).
 //
 // AppliedAt comes from goose's version table, a timestamp without time zone written with
 // now() in the session time zone of the connection that applied the migration; it is read
@@ -374,6 +403,17 @@ func Status(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationStat
 	provider, err := NewProvider(ctx, db, opts)
 	if err != nil {
 		return nil, err
+	}
+	ok, err := installed(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	if !ok {
+		var status []*goose.MigrationStatus
+		for _, src := range provider.ListSources() {
+			status = append(status, &goose.MigrationStatus{Source: src, State: goose.StatePending})
+		}
+		return status, nil
 	}
 	status, err := provider.Status(ctx)
 	if err != nil {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pressly/goose/v3"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/internal/testdb"
@@ -278,4 +279,35 @@ func TestAppliedAtUTC(t *testing.T) {
 	for _, s := range status {
 		require.WithinDuration(t, time.Now(), s.AppliedAt, time.Minute, s.Source.Path)
 	}
+}
+
+// Status, Down and Installed on a database where pgidem was never installed report that
+// and create nothing; goose's own Status creates the version table.
+func TestNotInstalledCreatesNothing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tdb := testdb.NewUnmigrated(t)
+	db := open(t, tdb.URL, "")
+	installed, err := migrations.Installed(ctx, db, nil)
+	require.NoError(t, err)
+	require.False(t, installed)
+	status, err := migrations.Status(ctx, db, nil)
+	require.NoError(t, err)
+	require.NotEmpty(t, status)
+	for _, s := range status {
+		require.Equal(t, goose.StatePending, s.State)
+	}
+	results, err := migrations.Down(ctx, db, nil)
+	require.NoError(t, err)
+	require.Empty(t, results)
+	require.False(t, tableExists(t, db, "public", migrations.VersionTable))
+
+	_, err = migrations.Up(ctx, db, nil)
+	require.NoError(t, err)
+	installed, err = migrations.Installed(ctx, db, nil)
+	require.NoError(t, err)
+	require.True(t, installed)
+	status, err = migrations.Status(ctx, db, nil)
+	require.NoError(t, err)
+	require.Equal(t, goose.StateApplied, status[len(status)-1].State)
 }

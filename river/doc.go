@@ -27,7 +27,9 @@
 //		Queues:     map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 10}},
 //		Workers:    workers,
 //	}
-//	mw.CheckTTL(ctx, config) // warns about kinds whose TTL is shorter than River's horizon
+//	// Returns (and logs, through Config.Logger or the coordinator's, which are quiet by
+//	// default) the kinds whose TTL is shorter than River's horizon.
+//	warnings := mw.CheckTTL(ctx, config)
 //	client, _ := river.NewClient(riverpgxv5.New(pool), config)
 //
 // Register the middleware once, globally as above or on a worker (its Middleware method).

@@ -45,6 +45,13 @@ func TestMigrate(t *testing.T) {
 		require.Contains(t, out, "00001_create_pgidem_record.sql")
 		require.Contains(t, out, "pending")
 		require.NotContains(t, out, "applied  ")
+		require.Equal(t, "nothing to roll back; pgidem is not installed here\n", requireOK(t, cli(t, db.URL, "migrate", "down")))
+		// Reports about a database without pgidem create nothing in it (goose's own
+		// status and version create the version table).
+		var tables int
+		require.NoError(t, db.Pool.QueryRow(context.Background(),
+			`SELECT count(*) FROM pg_tables WHERE tablename LIKE 'pgidem%'`).Scan(&tables))
+		require.Zero(t, tables)
 	})
 
 	t.Run("Up", func(t *testing.T) {

@@ -59,14 +59,20 @@ type riverMigrationJSON struct {
 	DurationMS float64 `json:"duration_ms"`
 }
 
-// withProvider connects and runs fn with a goose provider for pgidem's migrations.
-func (a *app) withProvider(ctx context.Context, fn func(*goose.Provider) error) error {
+// withProvider connects and runs fn with a goose provider for pgidem's migrations, and
+// whether pgidem is installed where it points (migrations.Installed): where it is not, the
+// read-only commands answer without the provider, which would create the version table.
+func (a *app) withProvider(ctx context.Context, fn func(p *goose.Provider, installed bool) error) error {
 	db, err := a.connectDB(ctx)
 	if err != nil {
 		return err
 	}
 	defer db.Close()
-	return a.withProviderDB(ctx, db, fn)
+	installed, err := migrations.Installed(ctx, db, &migrations.Opts{Schema: a.schema})
+	if err != nil {
+		return err
+	}
+	return a.withProviderDB(ctx, db, func(p *goose.Provider) error { return fn(p, installed) })
 }
 
 func (a *app) withProviderDB(ctx context.Context, db *sql.DB, fn func(*goose.Provider) error) error {
@@ -197,7 +203,14 @@ VERSION it rolls back every migration above VERSION; --to 0 removes every pgidem
 			if cmd.Flags().Changed("to") && to < 0 {
 				return usagef("--to must be a version >= 0, got %d", to)
 			}
-			return a.withProvider(ctx, func(p *goose.Provider) error {
+			return a.withProvider(ctx, func(p *goose.Provider, installed bool) error {
+				if !installed {
+					if a.json {
+						return printJSON(a.stdout, migrateResultJSON{Applied: []migrationJSON{}, RolledBack: []migrationJSON{}})
+					}
+					fmt.Fprintln(a.stdout, "nothing to roll back; pgidem is not installed here")
+					return nil
+				}
 				var results []*goose.MigrationResult
 				var err error
 				if cmd.Flags().Changed("to") {
@@ -258,10 +271,17 @@ in another time zone shows shifted by that zone's offset.`,
 		Args: cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
-			return a.withProvider(ctx, func(p *goose.Provider) error {
-				status, err := p.Status(ctx)
-				if err != nil {
-					return fmt.Errorf("pgidem: migrate status: %w", err)
+			return a.withProvider(ctx, func(p *goose.Provider, installed bool) error {
+				var status []*goose.MigrationStatus
+				if installed {
+					var err error
+					if status, err = p.Status(ctx); err != nil {
+						return fmt.Errorf("pgidem: migrate status: %w", err)
+					}
+				} else {
+					for _, src := range p.ListSources() {
+						status = append(status, &goose.MigrationStatus{Source: src, State: goose.StatePending})
+					}
 				}
 				rows := make([]statusJSON, 0, len(status))
 				for _, s := range status {
@@ -296,10 +316,16 @@ func (a *app) migrateVersionCommand() *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
-			return a.withProvider(ctx, func(p *goose.Provider) error {
-				current, target, err := p.GetVersions(ctx)
-				if err != nil {
-					return fmt.Errorf("pgidem: migrate version: %w", err)
+			return a.withProvider(ctx, func(p *goose.Provider, installed bool) error {
+				var current, target int64
+				if sources := p.ListSources(); len(sources) > 0 {
+					target = sources[len(sources)-1].Version
+				}
+				if installed {
+					var err error
+					if current, target, err = p.GetVersions(ctx); err != nil {
+						return fmt.Errorf("pgidem: migrate version: %w", err)
+					}
 				}
 				if a.json {
 					return printJSON(a.stdout, map[string]int64{"version": current, "latest": target})

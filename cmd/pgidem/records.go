@@ -165,11 +165,11 @@ func (a *app) recordsForgetCommand() *cobra.Command {
 effect again: use it to replay an effect by hand after an incident. It prints the record
 it deleted.
 
-A record in progress under a live lease is refused: its holder may be running the effect
-right now, and deleting the record would let a second caller run it in parallel. Wait for
-the lease to expire, or pass --force if you know the holder is gone. The check and the
-delete are one SQL statement, so a holder renewing its lease at the same moment is never
-deleted without --force.`,
+A record in progress under a live lease (and not past its TTL) is refused: its holder
+may be running the effect right now, and deleting the record would let a second caller
+run it in parallel. Wait for the lease to expire, or pass --force if you know the holder
+is gone. The check and the delete are one SQL statement, so a holder renewing its lease
+at the same moment is never deleted without --force.`,
 		Example: "  pgidem records forget invoices order-9.invoice",
 		Args:    keyArgs,
 		RunE: a.action(func(cmd *cobra.Command, args []string) error {

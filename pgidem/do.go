@@ -177,7 +177,7 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 
 	c.emit(ctx, EventExecuted, namespace, 1)
 	var value T
-	fnErr := c.run(ctx, call, acq.row.owner, func(ctx context.Context) error {
+	fnErr := c.run(ctx, call, acq.row.owner, acq.row.leaseFrom, func(ctx context.Context) error {
 		var err error
 		value, err = fn(ctx)
 		return err
@@ -303,6 +303,12 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			return acq, c.logStoreError(ctx, cl, storeError("reserve", err))
 		}
 		if r.inserted {
+			if ok, err := c.freshLease(ctx, cl, &r); err != nil || !ok {
+				if err != nil {
+					return acq, err
+				}
+				continue // taken over before fn started: read again
+			}
 			acq.held, acq.row = true, r
 			return acq, c.releaseIfCancelled(ctx, cl, r.owner)
 		}
@@ -322,6 +328,12 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			}
 			if t.recovered { // the takeover's reply was lost: it counted an attempt, or not
 				t.tookOver = t.attempts == r.attempts+1
+			}
+			if ok, err := c.freshLease(ctx, cl, &t); err != nil || !ok {
+				if err != nil {
+					return acq, err
+				}
+				continue // taken over again before fn started: read again
 			}
 			acq.held, acq.row = true, t
 			if t.tookOver {
@@ -429,6 +441,8 @@ func (w *waiter) inProgress(ctx context.Context, r *row) error {
 func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r row, refused bool, err error) {
 	owner := newOwner()
 	unknown := false // an earlier attempt with owner may have committed
+	// Any reservation this call makes is granted by a statement sent after this moment.
+	defer func(sent time.Time) { r.leaseFrom = sent }(time.Now())
 	if sql == c.sql.reserve && c.config.MaxBatch > 1 {
 		r, err := c.reserves.do(ctx, reserveReq{cl: cl, owner: owner})
 		switch {
@@ -466,6 +480,32 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 		}
 		unknown, refused = true, true
 	}
+}
+
+// freshLease renews a lease just granted to cl (r) before fn starts, when a third of it
+// or more went by since the granting statement was sent: a statement that waited (behind
+// another transaction's uncommitted record for the key, or through a lost-reply recovery)
+// grants a lease counted from its start on the server, which can be over already, and
+// another caller could then take the key over while fn starts. It returns false when the
+// reservation is no longer cl's (the caller reads the key again), and a store error when
+// the renewal failed — after releasing the reservation, so no caller waits a lease for it.
+func (c *Coordinator) freshLease(ctx context.Context, cl *call, r *row) (bool, error) {
+	if time.Since(r.leaseFrom) < cl.lease/3 {
+		return true, nil
+	}
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
+	defer cancel()
+	sent := time.Now()
+	tag, err := c.pool.Exec(wctx, c.sql.heartbeat, cl.namespace, cl.key, r.owner, micros(cl.lease), micros(cl.ttl))
+	switch {
+	case err != nil:
+		_ = c.finish(ctx, cl, r.owner, "release", c.sql.release)
+		return false, c.logStoreError(ctx, cl, storeError("heartbeat", err))
+	case tag.RowsAffected() == 0:
+		return false, nil
+	}
+	r.leaseFrom = sent
+	return true, nil
 }
 
 // ownedBy reports whether r is in progress under owner with its lease running: a
@@ -586,10 +626,10 @@ func decodeReplay[T any](cl *call, r row, value *T) error {
 // failed renewal only means the lease may be lost, and only an owner-conditional write that
 // matches no row proves it. Completing a record that nobody took over is what keeps the
 // effect from running again.
-func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, fn func(context.Context) error, encode func() ([]byte, error)) error {
+func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, leaseFrom time.Time, fn func(context.Context) error, encode func() ([]byte, error)) error {
 	fnCtx, cancel := context.WithCancelCause(withKey(ctx, cl.namespace, cl.key))
 	defer cancel(nil)
-	hb := c.startHeartbeat(ctx, cl, owner, cancel)
+	hb := c.startHeartbeat(ctx, cl, owner, leaseFrom, cancel)
 	defer hb.stop()
 
 	finished := false

@@ -43,10 +43,14 @@
 // next caller takes over and the record's attempts count rises to 2 — the sign that the
 // effect may have run twice. Every write of a holder is conditional on its random owner
 // token, so a holder that was taken over cannot overwrite its successor; it learns of the
-// loss through fn's context (cause [ErrLeaseLost]) and the returned error.
+// loss through fn's context (cause [ErrLeaseLost]) and the returned error. A holder that
+// cannot renew (cut off from the store) has fn's context cancelled with that cause a tenth
+// of a lease before its lease can end, so before anyone can take over; a lease granted by
+// a statement that waited (behind another transaction's lock) is renewed before fn starts.
 //
 // All time arithmetic for leases and TTLs uses the database clock (now()), never the
-// client's.
+// client's; the holder only measures durations on its own clock, from the moment it sent
+// the statement that granted or renewed the lease.
 //
 // # Failures
 //

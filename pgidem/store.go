@@ -345,6 +345,10 @@ type row struct {
 	released     bool // given up by its holder (releasedCondition); taking it over is no takeover
 	tookOver     bool // the takeover statement and DoTx's upsert only: they took over a holder that died
 	recovered    bool // read back after the reserving write's reply was lost (reserveWrite)
+	// leaseFrom is set on a reservation this call holds: a client time no later than the
+	// start of the statement that granted the lease, so the lease ends no earlier than
+	// leaseFrom + lease, in real time, whatever the clocks say.
+	leaseFrom time.Time
 }
 
 func (r *row) scanTargets(withInserted bool) []any {

@@ -15,22 +15,28 @@ type heartbeat struct {
 	finished atomic.Bool // fn returned: a renewal that finds no row means the finishing write won
 	stopOnce sync.Once
 	stopCh   chan struct{}
+	cancel   context.CancelFunc // ends a renewal in flight when the heartbeat stops
 	done     chan struct{}
 }
 
 // startHeartbeat starts renewing the lease of cl's reservation, granted by a statement sent
-// no earlier than leaseFrom, every lease/3. When a renewal finds the row no longer owned,
+// no earlier than leaseFrom: a lease/3 after the lease was granted or last renewed, and a
+// twelfth of a lease after a renewal failed. When a renewal finds the row no longer owned,
 // or the lease runs out without a renewal (the store could not be reached, or renewals
-// kept timing out), it cancels fn's context with cause ErrLeaseLost; a row no longer owned
-// also stops the renewals. The lease is counted from the client's send time of the
-// statement that granted or last renewed it, which is no later than that statement's
-// start on the server, and fn is cancelled a tenth of a lease before it ends, by a timer,
-// whatever a renewal in flight is waiting for: before another caller can take the key
-// over. That verdict only stops fn: whether the lease really was lost is decided by the
-// finishing write, which is conditional on the owner token.
+// kept failing), it cancels fn's context with cause ErrLeaseLost; a row no longer owned
+// also stops the renewals.
+//
+// The lease is counted from the client's send time of the statement that granted or last
+// renewed it, which is no later than that statement's start on the server, and a timer
+// cancels fn a tenth of a lease before it ends, whatever a renewal in flight is waiting
+// for: before another caller can take the key over. A renewal may take until then to
+// succeed (a slow store is not a lost lease), and one that succeeds proves that nobody
+// took the key over before it. The verdict only stops fn: whether the lease really was
+// lost is decided by the finishing write, which is conditional on the owner token.
 func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype.UUID, leaseFrom time.Time, cancelFn context.CancelCauseFunc) *heartbeat {
 	hb := &heartbeat{stopCh: make(chan struct{}), done: make(chan struct{})}
-	ctx = context.WithoutCancel(ctx) // the heartbeat outlives a cancelled caller until fn returns
+	// The heartbeat outlives a cancelled caller until fn returns; stop ends it.
+	ctx, hb.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	interval := cl.lease / 3
 	margin := cl.lease / 10 // fn's cancellation comes strictly before a takeover can
 	var lostOnce sync.Once
@@ -44,33 +50,42 @@ func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype
 			cancelFn(ErrLeaseLost)
 		})
 	}
-	// Fires a tenth of a lease before the lease ends unless a renewal moves it.
-	expiry := time.AfterFunc(time.Until(leaseFrom.Add(cl.lease-margin)), lost)
+	deadline := leaseFrom.Add(cl.lease - margin) // fn is cancelled then unless a renewal moves it
+	expiry := time.AfterFunc(time.Until(deadline), lost)
 	go func() {
 		defer close(hb.done)
 		defer expiry.Stop()
-		ticker := time.NewTicker(interval)
-		defer ticker.Stop()
+		next := time.NewTimer(time.Until(leaseFrom.Add(interval)))
+		defer next.Stop()
 		for {
 			select {
 			case <-hb.stopCh:
 				return
-			case <-ticker.C:
+			case <-next.C:
 			}
-			renewCtx, cancel := context.WithTimeout(ctx, interval)
+			timeout := interval
+			if d := time.Until(deadline); d > timeout && !hb.finished.Load() {
+				timeout = d
+			}
+			renewCtx, cancel := context.WithTimeout(ctx, timeout)
 			sent := time.Now()
 			tag, err := c.pool.Exec(renewCtx, c.sql.heartbeat, cl.namespace, cl.key, owner, micros(cl.lease), micros(cl.ttl))
 			cancel()
 			switch {
+			case err != nil && ctx.Err() != nil:
+				return // stopped
 			case err != nil:
 				c.config.Logger.WarnContext(ctx, "pgidem: heartbeat failed",
 					slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("error", err.Error()))
 				c.emit(ctx, EventStoreError, cl.namespace, 1)
-				continue // the expiry timer cancels fn if no renewal succeeds in time
+				next.Reset(interval / 4) // the expiry timer cancels fn if no renewal succeeds in time
+				continue
 			case tag.RowsAffected() == 1:
+				deadline = sent.Add(cl.lease - margin)
 				if expiry.Stop() { // not fired yet: the lease now runs from this renewal
-					expiry.Reset(time.Until(sent.Add(cl.lease - margin)))
+					expiry.Reset(time.Until(deadline))
 				}
+				next.Reset(time.Until(sent.Add(interval)))
 				continue
 			case hb.finished.Load():
 				return // the record was completed or released: nothing left to renew
@@ -87,8 +102,12 @@ func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype
 // keeps renewing until stop, and ends quietly once the row is no longer in progress.
 func (hb *heartbeat) finishing() { hb.finished.Store(true) }
 
-// stop stops the heartbeat and waits for its goroutine to exit. Safe to call more than once.
+// stop stops the heartbeat, ending a renewal in flight, and waits for its goroutine to
+// exit. Safe to call more than once.
 func (hb *heartbeat) stop() {
-	hb.stopOnce.Do(func() { close(hb.stopCh) })
+	hb.stopOnce.Do(func() {
+		close(hb.stopCh)
+		hb.cancel()
+	})
 	<-hb.done
 }

@@ -498,11 +498,16 @@ func (c *Coordinator) freshLease(ctx context.Context, cl *call, r *row) (bool, e
 	sent := time.Now()
 	tag, err := c.pool.Exec(wctx, c.sql.heartbeat, cl.namespace, cl.key, r.owner, micros(cl.lease), micros(cl.ttl))
 	switch {
+	case tag.RowsAffected() == 0 && err == nil, isSerializationFailure(err):
+		// Taken over meanwhile (under a stricter default isolation the server says so
+		// with a serialization failure): read the key again.
+		return false, nil
 	case err != nil:
 		_ = c.finish(ctx, cl, r.owner, "release", c.sql.release)
+		if ctxErr := ctx.Err(); ctxErr != nil {
+			return false, ctxErr
+		}
 		return false, c.logStoreError(ctx, cl, storeError("heartbeat", err))
-	case tag.RowsAffected() == 0:
-		return false, nil
 	}
 	r.leaseFrom = sent
 	return true, nil
@@ -762,7 +767,7 @@ func encodeValue[T any](value T, maxBytes int) ([]byte, error) {
 			again, err = json.Marshal(back)
 		}
 		if err != nil || !bytes.Equal(again, b) {
-			return nil, errors.New("a string is not valid UTF-8 and would not replay as it was")
+			return nil, errors.New("a string is not valid UTF-8 (or the value holding a \\ufffd escape does not survive a JSON round trip), so it would not replay as it was")
 		}
 	}
 	return b, nil

@@ -106,6 +106,7 @@ func (hb *heartbeat) finishing() { hb.finished.Store(true) }
 // exit. Safe to call more than once.
 func (hb *heartbeat) stop() {
 	hb.stopOnce.Do(func() {
+		hb.finished.Store(true) // an expiry firing now no longer cancels fn
 		close(hb.stopCh)
 		hb.cancel()
 	})

@@ -205,7 +205,7 @@ func TestFingerprintSurvivesEveryWrite(t *testing.T) {
 // time, and a sweep running meanwhile never deletes the live reservation.
 func TestLiveHolderOutlivesTTL(t *testing.T) {
 	t.Parallel()
-	const lease, ttl = 300 * time.Millisecond, time.Second
+	const lease, ttl = time.Second, 2 * time.Second // see TestLiveHolderNeverTakenOver
 	cfg := &pgidem.Config{Lease: lease, MinTTL: ttl, InFlight: pgidem.InFlightRaise}
 	b := setup(t, cfg)
 	other := b.newCoordOn(t, b.newPool(t, nil), cfg)

@@ -1,6 +1,7 @@
 package pgidem_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"net"
@@ -131,4 +132,170 @@ func TestHeartbeatCancelsBeforeTakeover(t *testing.T) {
 	down.Store(false)
 	require.ErrorIs(t, <-aDone, pgidem.ErrLeaseLost)
 	require.False(t, overlap.Load(), "B's fn ran while A's fn still ran with a live context")
+}
+
+// heartbeatMarker appears only in the heartbeat statement's text.
+var heartbeatMarker = []byte("greatest(expires_at")
+
+// markedConn acts once on the first write carrying the heartbeat statement: it fails it
+// (a reset connection; the pool dials anew) or delays it.
+type markedConn struct {
+	net.Conn
+	fired *atomic.Bool
+	fail  bool
+	delay time.Duration
+}
+
+func (c *markedConn) Write(p []byte) (int, error) {
+	if bytes.Contains(p, heartbeatMarker) && c.fired.CompareAndSwap(false, true) {
+		if c.fail {
+			_ = c.Conn.Close()
+			return 0, errors.New("test: connection reset by peer")
+		}
+		time.Sleep(c.delay)
+	}
+	return c.Conn.Write(p)
+}
+
+func (b *testBundle) markedPool(t *testing.T, fired *atomic.Bool, fail bool, delay time.Duration, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	return b.newPool(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			conn, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &markedConn{Conn: conn, fired: fired, fail: fail, delay: delay}, nil
+		}
+		cfg.ConnConfig.TLSConfig = nil
+		cfg.ConnConfig.Fallbacks = nil
+		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec // SQL text on the wire
+		if configure != nil {
+			configure(cfg)
+		}
+	})
+}
+
+// One failed renewal does not cancel a live holder, also when its lease was granted late
+// (its reserving insert waited behind an open DoTx, though not long enough to be renewed
+// before fn): renewals are scheduled from the grant and retried soon after a failure. The
+// first version of the expiry timer scheduled them from fn's start, and the one renewal
+// before the timer failing cancelled fn.
+func TestSingleRenewalFailureKeepsHolder(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		wait time.Duration // how long the reserving insert is held behind the DoTx
+	}{
+		{"GrantedAtOnce", 0},
+		{"GrantedAfterAWait", 280 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			const lease = time.Second
+			b := setup(t, &pgidem.Config{Lease: lease})
+			var fired atomic.Bool
+			coord := b.newCoordOn(t, b.markedPool(t, &fired, true, 0, nil), &pgidem.Config{Lease: lease, MaxBatch: 1})
+
+			var tx pgx.Tx
+			if tc.wait > 0 {
+				var err error
+				tx, err = b.db.Pool.Begin(b.ctx)
+				require.NoError(t, err)
+				_, err = pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
+					func(context.Context, pgx.Tx) (string, error) { return "tx", nil })
+				require.NoError(t, err)
+			}
+			var cause atomic.Value
+			done := make(chan error, 1)
+			go func() {
+				_, err := pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(ctx context.Context) (string, error) {
+					select {
+					case <-ctx.Done():
+						cause.Store(context.Cause(ctx))
+					case <-time.After(1500 * time.Millisecond): // a lease and a half
+					}
+					return "A", nil
+				})
+				done <- err
+			}()
+			if tx != nil {
+				b.waitForBlocked(t, "transactionid", 1)
+				time.Sleep(tc.wait - 20*time.Millisecond)
+				require.NoError(t, tx.Rollback(b.ctx))
+			}
+			require.NoError(t, <-done)
+			require.True(t, fired.Load(), "one renewal failed")
+			rec := b.lookup(t, "mail", "k")
+			require.Equal(t, pgidem.StatusCompleted, rec.Status)
+			require.Equal(t, 1, rec.Attempts, "nobody took the key over")
+			require.Nil(t, cause.Load(), "a live holder's fn was cancelled after one failed renewal")
+		})
+	}
+}
+
+// A lease renewed before fn (granted after a long wait) that another caller takes over
+// meanwhile: on a pool whose sessions default to REPEATABLE READ the renewal fails with a
+// serialization failure, which now means "taken over, read again" as it does elsewhere in
+// the protocol; it was reported as the store being unavailable.
+func TestFreshLeaseSerializationFailureReadsAgain(t *testing.T) {
+	t.Parallel()
+	const lease = 300 * time.Millisecond
+	b := setup(t, &pgidem.Config{Lease: lease})
+	var fired atomic.Bool
+	pool := b.markedPool(t, &fired, false, 300*time.Millisecond, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "repeatable read"
+	})
+	coord := b.newCoordOn(t, pool, &pgidem.Config{Lease: lease, MaxBatch: 1})
+
+	tx0, err := b.db.Pool.Begin(b.ctx)
+	require.NoError(t, err)
+	_, err = pgidem.DoTx(b.ctx, b.coord, tx0, "mail", "k", testTTL, nil,
+		func(context.Context, pgx.Tx) (string, error) { return "tx", nil })
+	require.NoError(t, err)
+
+	var ran atomic.Bool
+	type outcome struct {
+		v   string
+		err error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		v, err := pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (string, error) {
+			ran.Store(true)
+			return "A", nil
+		})
+		done <- outcome{v, err}
+	}()
+	b.waitForBlocked(t, "transactionid", 1) // A's insert waits for tx0
+	time.Sleep(lease + 100*time.Millisecond)
+	require.NoError(t, tx0.Rollback(b.ctx)) // A's insert commits with a lease already over
+
+	// A's row appears; A's renewal before fn is on its way (delayed on the wire).
+	require.Eventually(t, func() bool {
+		var n int
+		_ = b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pgidem_record WHERE key = 'k' AND status = 'in_progress'`).Scan(&n)
+		return n == 1
+	}, 5*time.Second, time.Millisecond)
+
+	// B takes the key over (what the takeover UPDATE does) and holds the row lock when
+	// A's renewal arrives.
+	txB, err := b.db.Pool.Begin(b.ctx)
+	require.NoError(t, err)
+	_, err = txB.Exec(b.ctx, `UPDATE pgidem_record SET owner = gen_random_uuid(), attempts = attempts + 1,
+		lease_expires_at = now() + interval '1 hour', updated_at = now()
+		WHERE namespace = 'mail' AND key = 'k' AND lease_expires_at <= now()`)
+	require.NoError(t, err)
+	b.waitForBlocked(t, "transactionid", 1) // A's renewal waits for B's takeover
+	require.NoError(t, txB.Commit(b.ctx))
+	_, err = b.db.Pool.Exec(b.ctx, `UPDATE pgidem_record SET status = 'completed', result = '"B"',
+		lease_expires_at = NULL, completed_at = now(), expires_at = now() + interval '1 hour'
+		WHERE namespace = 'mail' AND key = 'k'`)
+	require.NoError(t, err)
+
+	out := <-done
+	require.True(t, fired.Load())
+	require.False(t, ran.Load(), "A's fn must not run: B holds the key")
+	require.NoError(t, out.err)
+	require.Equal(t, "B", out.v)
 }

@@ -162,57 +162,6 @@ func TestConcurrentCallers(t *testing.T) {
 	})
 }
 
-func TestLiveHolderNeverTakenOver(t *testing.T) {
-	t.Parallel()
-	// Long enough that the holder's renewals get through when the race detector and
-	// parallel tests starve its goroutines: a renewal must be answered within about 0.6
-	// of a lease, or the heartbeat cancels fn before anyone could take over.
-	const lease = time.Second
-	b := setup(t, &pgidem.Config{Lease: lease, InFlight: pgidem.InFlightRaise})
-
-	started := make(chan struct{})
-	done := make(chan struct{})
-	var runs atomic.Int32
-	go func() {
-		defer close(done)
-		_, err := pgidem.Do(b.ctx, b.coord, "mail", "slow", testTTL, nil, func(ctx context.Context) (string, error) {
-			runs.Add(1)
-			close(started)
-			select {
-			case <-time.After(3 * lease): // three leases long
-			case <-ctx.Done():
-				return "", context.Cause(ctx)
-			}
-			return "slow-done", nil
-		})
-		if err != nil {
-			t.Errorf("holder: %v", err)
-		}
-	}()
-	<-started
-	// Contenders keep knocking for the whole run; every one must see the key in progress.
-	for {
-		select {
-		case <-done:
-		default:
-			_, err := pgidem.Do(b.ctx, b.coord, "mail", "slow", testTTL, nil, func(context.Context) (string, error) {
-				runs.Add(1)
-				return "contender", nil
-			})
-			if err != nil {
-				require.ErrorIs(t, err, pgidem.ErrInProgress)
-			}
-			time.Sleep(lease / 4)
-			continue
-		}
-		break
-	}
-	require.EqualValues(t, 1, runs.Load())
-	rec := b.lookup(t, "mail", "slow")
-	require.Equal(t, 1, rec.Attempts)
-	require.JSONEq(t, `"slow-done"`, string(rec.Result))
-}
-
 func TestWaiterCancelledChangesNothing(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

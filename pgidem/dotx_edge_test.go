@@ -340,17 +340,18 @@ func TestDoTxWaitTimeoutAboveLockTimeoutMax(t *testing.T) {
 // Confirmed behaviour.
 // ---------------------------------------------------------------------------------------
 
-// A waiter that got the lock after waiting restores the caller's lock_timeout (the
-// existing test covers only the timeout path) and replays the holder's value.
+// A contended DoTx waits for the lock holder and replays, whatever the caller's session
+// timeouts: it sets lock_timeout for the wait and lifts statement_timeout (a shorter one
+// used to cancel the wait, reported as a store outage), then puts both back.
 func TestDoTxLockTimeoutRestoredAfterWait(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	holder := b.holdKey(t, "ledger", "k")
 
 	type outcome struct {
-		res         pgidem.Result[string]
-		lockTimeout string
-		err         error
+		res                      pgidem.Result[string]
+		lockTimeout, stmtTimeout string
+		err                      error
 	}
 	done := make(chan outcome, 1)
 	go func() {
@@ -365,20 +366,26 @@ func TestDoTxLockTimeoutRestoredAfterWait(t *testing.T) {
 		if _, out.err = tx.Exec(b.ctx, `SET LOCAL lock_timeout = '7s'`); out.err != nil {
 			return
 		}
+		if _, out.err = tx.Exec(b.ctx, `SET LOCAL statement_timeout = '300ms'`); out.err != nil {
+			return
+		}
 		out.res, out.err = pgidem.DoTxResult(b.ctx, b.coord, tx, "ledger", "k", testTTL,
 			&pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: time.Minute},
 			func(ctx context.Context, tx pgx.Tx) (string, error) { return "waiter", nil })
 		if out.err == nil {
-			out.err = tx.QueryRow(b.ctx, `SHOW lock_timeout`).Scan(&out.lockTimeout)
+			out.err = tx.QueryRow(b.ctx, `SELECT current_setting('lock_timeout'), current_setting('statement_timeout')`).
+				Scan(&out.lockTimeout, &out.stmtTimeout)
 		}
 	}()
 	b.waitForBlocked(t, "advisory", 1)
+	time.Sleep(600 * time.Millisecond) // the wait outlasts the caller's statement_timeout
 	require.NoError(t, holder.Commit(b.ctx))
 	out := <-done
 	require.NoError(t, out.err)
 	require.True(t, out.res.Replayed)
 	require.Equal(t, "holder", out.res.Value)
 	require.Equal(t, "7s", out.lockTimeout)
+	require.Equal(t, "300ms", out.stmtTimeout)
 }
 
 // DoTx in a savepoint the caller rolls back: the record and the advisory lock go with it,

@@ -16,51 +16,6 @@ import (
 // Tests of DoTx against the caller's session: its timeouts, its cancellation, and fn
 // calling back into pgidem.
 
-// A caller's statement_timeout shorter than the wait: DoTx waits for the lock holder and
-// replays, and puts the caller's statement_timeout and lock_timeout back. The lock wait
-// used to be cancelled by statement_timeout and reported as a store outage.
-func TestDoTxWaitOutlivesStatementTimeout(t *testing.T) {
-	t.Parallel()
-	b := setup(t, nil)
-	holder := b.holdKey(t, "ledger", "k")
-
-	type outcome struct {
-		res                 pgidem.Result[string]
-		statementTO, lockTO string
-		err                 error
-	}
-	done := make(chan outcome, 1)
-	go func() {
-		var out outcome
-		defer func() { done <- out }()
-		tx, err := b.db.Pool.Begin(b.ctx)
-		if err != nil {
-			out.err = err
-			return
-		}
-		defer tx.Rollback(b.ctx) //nolint:errcheck // test cleanup
-		if _, out.err = tx.Exec(b.ctx, `SET LOCAL statement_timeout = '300ms'`); out.err != nil {
-			return
-		}
-		out.res, out.err = pgidem.DoTxResult(b.ctx, b.coord, tx, "ledger", "k", testTTL,
-			&pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: time.Minute},
-			func(ctx context.Context, tx pgx.Tx) (string, error) { return "waiter", nil })
-		if out.err == nil {
-			out.err = tx.QueryRow(b.ctx, `SELECT current_setting('statement_timeout'), current_setting('lock_timeout')`).
-				Scan(&out.statementTO, &out.lockTO)
-		}
-	}()
-	b.waitForBlocked(t, "advisory", 1)
-	time.Sleep(600 * time.Millisecond) // the wait outlasts the caller's statement_timeout
-	require.NoError(t, holder.Commit(b.ctx))
-	out := <-done
-	require.NoError(t, out.err)
-	require.True(t, out.res.Replayed)
-	require.Equal(t, "holder", out.res.Value)
-	require.Equal(t, "300ms", out.statementTO)
-	require.Equal(t, "0", out.lockTO)
-}
-
 // fn returns a Permanent error as the caller's context ends: the failure cannot be stored
 // on that context, and fn's writes must still be undone. The savepoint used to count as
 // closed before its ROLLBACK TO ran; the statement was refused on the cancelled context,

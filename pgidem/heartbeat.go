@@ -63,10 +63,7 @@ func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype
 				return
 			case <-next.C:
 			}
-			timeout := interval
-			if d := time.Until(deadline); d > timeout && !hb.finished.Load() {
-				timeout = d
-			}
+			timeout := max(interval, time.Until(deadline))
 			renewCtx, cancel := context.WithTimeout(ctx, timeout)
 			sent := time.Now()
 			tag, err := c.pool.Exec(renewCtx, c.sql.heartbeat, cl.namespace, cl.key, owner, micros(cl.lease), micros(cl.ttl))
@@ -74,6 +71,13 @@ func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype
 			switch {
 			case err != nil && ctx.Err() != nil:
 				return // stopped
+			case isSerializationFailure(err) && hb.finished.Load():
+				return // the finishing write won (under a stricter default isolation)
+			case isSerializationFailure(err):
+				// Another write changed the row first (a stricter default isolation says so
+				// with 40001): the next renewal, on a fresh snapshot, tells which.
+				next.Reset(interval / 4)
+				continue
 			case err != nil:
 				c.config.Logger.WarnContext(ctx, "pgidem: heartbeat failed",
 					slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("error", err.Error()))
@@ -107,8 +111,8 @@ func (hb *heartbeat) finishing() { hb.finished.Store(true) }
 func (hb *heartbeat) stop() {
 	hb.stopOnce.Do(func() {
 		hb.finished.Store(true) // an expiry firing now no longer cancels fn
+		hb.cancel()             // first: a renewal chosen after this fails at once
 		close(hb.stopCh)
-		hb.cancel()
 	})
 	<-hb.done
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -298,4 +299,186 @@ func TestFreshLeaseSerializationFailureReadsAgain(t *testing.T) {
 	require.False(t, ran.Load(), "A's fn must not run: B holds the key")
 	require.NoError(t, out.err)
 	require.Equal(t, "B", out.v)
+}
+
+// slowLinkConn models a network path on which the first heartbeat statement's packets are
+// delayed (a retransmission): Write returns at once (the bytes are in the kernel's send
+// buffer) and they reach the server delay later; later writes follow them in order, and
+// Close delivers what is queued before closing, as TCP does.
+type slowLinkConn struct {
+	net.Conn
+	fired *atomic.Bool
+	delay time.Duration
+
+	mu     sync.Mutex
+	closed bool
+	q      chan timedChunk
+}
+
+type timedChunk struct {
+	b  []byte
+	at time.Time
+}
+
+func slowLinkDial(fired *atomic.Bool, delay time.Duration) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		conn, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		c := &slowLinkConn{Conn: conn, fired: fired, delay: delay, q: make(chan timedChunk, 1024)}
+		go func() {
+			for ch := range c.q {
+				time.Sleep(time.Until(ch.at))
+				_, _ = conn.Write(ch.b)
+			}
+			_ = conn.Close()
+		}()
+		return c, nil
+	}
+}
+
+func (c *slowLinkConn) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return 0, net.ErrClosed
+	}
+	at := time.Now()
+	if bytes.Contains(p, heartbeatMarker) && c.fired.CompareAndSwap(false, true) {
+		at = at.Add(c.delay)
+	}
+	c.q <- timedChunk{b: bytes.Clone(p), at: at}
+	return len(p), nil
+}
+
+func (c *slowLinkConn) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.closed {
+		c.closed = true
+		close(c.q)
+	}
+	return nil
+}
+
+// Deadlines bound reads only: bytes already written are on their way whatever the client does.
+func (c *slowLinkConn) SetDeadline(t time.Time) error      { return c.Conn.SetReadDeadline(t) }
+func (c *slowLinkConn) SetWriteDeadline(t time.Time) error { return nil }
+
+// A renewal already on the wire when its holder releases the key (fn failed) can reach the
+// server after the release; it used to revive the released row's lease, so the next
+// caller got ErrInProgress for a holder that had given the key up, and a lease later
+// counted a takeover nobody caused. A released row is never renewed now.
+func TestLateRenewalCannotReviveReleasedLease(t *testing.T) {
+	t.Parallel()
+	const lease = 600 * time.Millisecond
+	const delay = 400 * time.Millisecond
+	b := setup(t, &pgidem.Config{Lease: lease})
+	var fired atomic.Bool
+	pool := b.newPool(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.DialFunc = slowLinkDial(&fired, delay)
+		cfg.ConnConfig.TLSConfig = nil
+		cfg.ConnConfig.Fallbacks = nil
+		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec // SQL text on the wire
+	})
+	coord := b.newCoordOn(t, pool, &pgidem.Config{Lease: lease, MaxBatch: 1})
+
+	// A dead holder's reservation: A takes it over (attempts 2), so A's release keeps the row.
+	reviewInsert(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
+	transient := errors.New("transient")
+	res, err := pgidem.DoResult(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) {
+		require.Eventually(t, fired.Load, 5*time.Second, time.Millisecond) // a renewal is on the wire
+		return 0, transient
+	})
+	require.ErrorIs(t, err, transient)
+	require.True(t, res.TookOver)
+
+	time.Sleep(delay + 200*time.Millisecond) // whatever was on the wire has landed
+	res, err = pgidem.DoResult(b.ctx, b.coord, "mail", "k", testTTL, reviewRaise(), func(context.Context) (int, error) { return 1, nil })
+	require.NoError(t, err, "A released the key; the next caller takes it over at once")
+	require.False(t, res.TookOver, "a released reservation is taken over without counting a takeover")
+	require.Equal(t, 2, res.Attempts)
+}
+
+// slowReplyConn hands over the first reply to a write carrying marker late.
+type slowReplyConn struct {
+	net.Conn
+	marker []byte
+	delay  time.Duration
+	slow   atomic.Bool
+}
+
+func (c *slowReplyConn) Write(p []byte) (int, error) {
+	if bytes.Contains(p, c.marker) {
+		c.slow.Store(true)
+	}
+	return c.Conn.Write(p)
+}
+
+func (c *slowReplyConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if c.slow.CompareAndSwap(true, false) {
+		time.Sleep(c.delay) // the reply arrived; it is handed over late
+	}
+	return n, err
+}
+
+// A renewal that queued behind the completing write and lost to it is not a store error:
+// under a stricter default isolation it fails with a serialization failure, which used to
+// be logged and reported as EventStoreError for a call that succeeded.
+func TestRenewalLosingToCompletionIsNoStoreError(t *testing.T) {
+	t.Parallel()
+	for _, isolation := range []string{"read committed", "repeatable read"} {
+		t.Run(isolation, func(t *testing.T) {
+			t.Parallel()
+			const lease = 900 * time.Millisecond // renewals every 300 ms
+			b := setup(t, nil)
+			pool := b.newPool(t, func(cfg *pgxpool.Config) {
+				cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = isolation
+				// The completion's reply comes back 100 ms late, so the heartbeat sees its
+				// renewal's outcome before it is stopped.
+				cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+					conn, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+					if err != nil {
+						return nil, err
+					}
+					return &slowReplyConn{Conn: conn, marker: []byte("completed_at = now()"), delay: 100 * time.Millisecond}, nil
+				}
+				cfg.ConnConfig.TLSConfig = nil
+				cfg.ConnConfig.Fallbacks = nil
+				cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+			})
+			var storeErrors atomic.Int32
+			coord := b.newCoordOn(t, pool, &pgidem.Config{Lease: lease, MaxBatch: 1,
+				Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+					if e.Kind == pgidem.EventStoreError {
+						storeErrors.Add(1)
+					}
+				})})
+
+			lockerCh := make(chan pgx.Tx, 1)
+			done := make(chan error, 1)
+			go func() {
+				_, err := pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) {
+					// Another session holds the row lock for a moment: the completion and
+					// then the next renewal queue behind it.
+					locker, err := b.db.Pool.Begin(b.ctx)
+					if err != nil {
+						return 0, err
+					}
+					lockerCh <- locker
+					_, err = locker.Exec(b.ctx, `SELECT 1 FROM pgidem_record WHERE namespace = 'mail' AND key = 'k' FOR UPDATE`)
+					return 1, err
+				})
+				done <- err
+			}()
+			locker := <-lockerCh
+			reviewWaitBlocked(t, b, 2) // the completion, then the renewal
+			require.NoError(t, locker.Commit(b.ctx))
+			require.NoError(t, <-done)
+			require.Equal(t, pgidem.StatusCompleted, b.lookup(t, "mail", "k").Status)
+			require.Zero(t, storeErrors.Load(), "EventStoreError for a call that succeeded")
+		})
+	}
 }

@@ -250,12 +250,14 @@ RETURNING true AS inserted, {cols}, NOT old.was_expired AND NOT old.was_released
 		// dies is then always taken over (attempts + 1) before its record can count as
 		// expired, however long it ran, and the record only expires (for sweeps and new
 		// callers alike) a TTL after the last sign of life.
+		// A released row is never renewed: a renewal that was already on the wire when its
+		// holder released the row may reach the server after the release.
 		heartbeat: r.Replace(`
 UPDATE {t} SET
 	lease_expires_at = now() + $4 * interval '1 microsecond',
 	expires_at = greatest(expires_at, now() + ($4::bigint + $5::bigint) * interval '1 microsecond'),
 	updated_at = now()
-WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`),
+WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress' AND NOT ({released})`),
 
 		complete: plain.Replace(complete),
 

@@ -97,8 +97,12 @@ type Config struct {
 
 	// Lease is how long a reservation stays owned without a heartbeat. The holder renews it
 	// every Lease/3 while fn runs, so a slow but live holder is never taken over; a holder
-	// that dies blocks other callers for at most one Lease. Default [LeaseDefault] (30 s),
-	// minimum [LeaseMin]. Must be shorter than every call's TTL.
+	// that dies blocks other callers for at most one Lease. A holder whose renewals do not
+	// get through has fn's context cancelled ([ErrLeaseLost]) a tenth of a Lease before its
+	// lease can end, so keep the Lease well above the store's worst round trip and the
+	// pool's worst wait for a connection (a reserving write blocked behind an open DoTx
+	// holds one for up to FinishTimeout). Default [LeaseDefault] (30 s), minimum
+	// [LeaseMin]. Must be shorter than every call's TTL.
 	Lease time.Duration
 
 	// MinTTL is the shortest record TTL a call may ask for; shorter TTLs return

@@ -36,6 +36,8 @@ import (
 	"io/fs"
 	"log/slog"
 	"strings"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -81,9 +83,8 @@ func FS() fs.FS {
 // means all defaults.
 type Opts struct {
 	// Schema, when non-empty, is the schema pgidem's tables and version table live in. It
-	// must be a valid Postgres identifier: at most [SchemaMaxLen] bytes (Postgres would
-	// silently truncate a longer name), no NUL byte, not only white space; otherwise every
-	// function returns an error. It is quoted, so any other name works (mixed case,
+	// must pass [CheckSchemaName] (at most [SchemaMaxLen] bytes, valid UTF-8, no control
+	// character, not only white space); otherwise every function returns an error. It is quoted, so any other name works (mixed case,
 	// spaces). The connections of the *sql.DB must already have it as their current schema
 	// (see [OpenDB]); otherwise every function returns an error instead of creating the
 	// tables elsewhere.
@@ -104,18 +105,31 @@ type Opts struct {
 // accept: Postgres's identifier limit (NAMEDATALEN - 1). Postgres truncates longer names.
 const SchemaMaxLen = 63
 
-// checkSchemaName returns an error when schema cannot be used as a schema name as given.
-// The empty string (the default schema) is valid.
-func checkSchemaName(field, schema string) error {
+// CheckSchemaName returns an error saying why schema cannot be pgidem's schema name, or
+// nil: it must be valid UTF-8 without NUL or other control characters, not only white
+// space, and at most [SchemaMaxLen] bytes (Postgres would silently truncate a longer name).
+// These are the rules of pgidem.Config.Schema too, so a schema Up creates is one the
+// coordinator accepts. The empty string (the default schema) is valid.
+func CheckSchemaName(schema string) error {
 	switch {
 	case schema == "":
 		return nil
 	case len(schema) > SchemaMaxLen:
-		return fmt.Errorf("pgidem: migrations: %s %q is %d bytes long; Postgres truncates identifiers to %d bytes", field, schema, len(schema), SchemaMaxLen)
-	case strings.ContainsRune(schema, 0):
-		return fmt.Errorf("pgidem: migrations: %s %q contains a NUL byte", field, schema)
+		return fmt.Errorf("%q is %d bytes long; Postgres truncates identifiers to %d bytes", schema, len(schema), SchemaMaxLen)
+	case !utf8.ValidString(schema):
+		return fmt.Errorf("%q is not valid UTF-8", schema)
+	case strings.IndexFunc(schema, unicode.IsControl) >= 0:
+		return fmt.Errorf("%q contains a control character", schema)
 	case strings.TrimSpace(schema) == "":
-		return fmt.Errorf("pgidem: migrations: %s %q is only white space", field, schema)
+		return fmt.Errorf("%q is only white space", schema)
+	}
+	return nil
+}
+
+// checkSchemaName is [CheckSchemaName] with the field's name in the error.
+func checkSchemaName(field, schema string) error {
+	if err := CheckSchemaName(schema); err != nil {
+		return fmt.Errorf("pgidem: migrations: %s %w", field, err)
 	}
 	return nil
 }
@@ -213,6 +227,11 @@ func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, 
 
 // wrongSchemaError is the error for a connection whose current schema is not Opts.Schema.
 func wrongSchemaError(schema string, current sql.NullString) error {
+	if !current.Valid {
+		// search_path names no schema the role can use: Opts.Schema (if the connection
+		// points there) exists, so the role lacks USAGE on it.
+		return fmt.Errorf("pgidem: migrations: the connection has no current schema: its search_path names no schema this role may use; if it is set to %q, grant the role USAGE (and CREATE, to migrate) on schema %q, or open the database with migrations.OpenDB(connString, %q)", schema, schema, schema)
+	}
 	return fmt.Errorf("pgidem: migrations: Opts.Schema is %q but the connection's current schema is %q; open the database with migrations.OpenDB(connString, %q) or set search_path in the connection string", schema, current.String, schema)
 }
 
@@ -272,11 +291,12 @@ func checkNotInstalledElsewhere(ctx context.Context, db *sql.DB) error {
 
 // createSchema creates schema if it does not exist and checks that it is db's current
 // schema, in one transaction: when it is not, the transaction rolls back and nothing is
-// created. The transaction first takes [LockID] as a transaction lock, so concurrent
-// callers create the schema one after the other (CREATE SCHEMA IF NOT EXISTS alone fails
-// with a unique violation when two run at once); it is released at commit, before goose
-// takes the same id as a session lock. It waits for the lock at most as long as goose
-// does ([LockRetryAttempts] × [LockRetryPeriodSeconds]).
+// created. To create the schema the transaction first takes [LockID] as a transaction
+// lock, so concurrent callers create it one after the other (CREATE SCHEMA IF NOT EXISTS
+// alone fails with a unique violation when two run at once); it is released at commit,
+// before goose takes the same id as a session lock. It waits for the lock at most as
+// long as goose does ([LockRetryAttempts] × [LockRetryPeriodSeconds]), whatever the
+// session's statement_timeout. An existing schema takes no lock.
 func createSchema(ctx context.Context, db *sql.DB, schema string) (err error) {
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
@@ -287,20 +307,26 @@ func createSchema(ctx context.Context, db *sql.DB, schema string) (err error) {
 			_ = tx.Rollback()
 		}
 	}()
-	lockTimeout := fmt.Sprintf("SET LOCAL lock_timeout = '%ds'", LockRetryAttempts*LockRetryPeriodSeconds)
-	if _, err := tx.ExecContext(ctx, lockTimeout); err != nil {
-		return fmt.Errorf("pgidem: migrations: create schema %q: %w", schema, err)
-	}
-	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", LockID); err != nil {
-		return fmt.Errorf("pgidem: migrations: create schema %q: lock: %w", schema, err)
-	}
 	// CREATE SCHEMA checks the CREATE privilege on the database even when the schema
-	// exists: look first, so a role without it can migrate an existing schema.
+	// exists: look first, so a role without it can migrate an existing schema; and an
+	// existing schema needs no lock, so a deploy that finds it waits only in goose's lock.
+	const existsSQL = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)"
 	var exists bool
-	if err := tx.QueryRowContext(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)", schema).Scan(&exists); err != nil {
+	if err := tx.QueryRowContext(ctx, existsSQL, schema).Scan(&exists); err != nil {
 		return fmt.Errorf("pgidem: migrations: create schema %q: %w", schema, err)
 	}
 	if !exists {
+		// Wait for the lock as long as goose does, whatever the session's
+		// statement_timeout (which would cancel the wait).
+		wait := fmt.Sprintf("SET LOCAL lock_timeout = '%ds'", LockRetryAttempts*LockRetryPeriodSeconds)
+		for _, stmt := range []string{wait, "SET LOCAL statement_timeout = 0"} {
+			if _, err := tx.ExecContext(ctx, stmt); err != nil {
+				return fmt.Errorf("pgidem: migrations: create schema %q: %w", schema, err)
+			}
+		}
+		if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", LockID); err != nil {
+			return fmt.Errorf("pgidem: migrations: create schema %q: lock: %w", schema, err)
+		}
 		if _, err := tx.ExecContext(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{schema}.Sanitize()); err != nil {
 			return fmt.Errorf("pgidem: migrations: create schema %q: %w", schema, err)
 		}

@@ -237,7 +237,7 @@ func TestSchemaNameValidation(t *testing.T) {
 		name, schema, want string
 	}{
 		{"TooLong", strings.Repeat("s", migrations.SchemaMaxLen+1), "Postgres truncates identifiers to 63 bytes"},
-		{"NUL", "id\x00em", "NUL byte"},
+		{"NUL", "id\x00em", "control character"},
 		{"Blank", "  ", "only white space"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -310,4 +310,73 @@ func TestNotInstalledCreatesNothing(t *testing.T) {
 	status, err = migrations.Status(ctx, db, nil)
 	require.NoError(t, err)
 	require.Equal(t, goose.StateApplied, status[len(status)-1].State)
+}
+
+// While another deploy holds pgidem's migration lock for longer than the database's
+// statement_timeout, Up waits for it with and without Opts.Schema. With a schema, Up
+// used to wait in a blocking lock that statement_timeout cancelled, even for a schema
+// that already existed.
+func TestUpWaitsForLockUnderStatementTimeout(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, schema := range []string{"", "idem"} {
+		t.Run("schema="+schema, func(t *testing.T) {
+			t.Parallel()
+			tdb := testdb.NewUnmigrated(t)
+			_, err := migrations.Up(ctx, open(t, tdb.URL, schema), &migrations.Opts{Schema: schema})
+			require.NoError(t, err)
+			_, err = tdb.Pool.Exec(ctx, "ALTER DATABASE "+pgx.Identifier{tdb.Name}.Sanitize()+" SET statement_timeout = '1s'")
+			require.NoError(t, err)
+
+			holder, err := tdb.Pool.Acquire(ctx)
+			require.NoError(t, err)
+			_, err = holder.Exec(ctx, "SELECT pg_advisory_lock($1)", migrations.LockID)
+			require.NoError(t, err)
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				time.Sleep(3 * time.Second) // a long migration elsewhere
+				_, _ = holder.Exec(context.Background(), "SELECT pg_advisory_unlock($1)", migrations.LockID)
+				holder.Release()
+			}()
+			_, err = migrations.Up(ctx, open(t, tdb.URL, schema), &migrations.Opts{Schema: schema})
+			<-done
+			require.NoError(t, err)
+		})
+	}
+}
+
+func TestCheckSchemaName(t *testing.T) {
+	t.Parallel()
+	for _, bad := range []string{"idem\tstore", "a\x00b", "\xff", "   ", strings.Repeat("s", migrations.SchemaMaxLen+1)} {
+		require.Error(t, migrations.CheckSchemaName(bad), "%q", bad)
+	}
+	for _, good := range []string{"", "idem", "Idem Store", `q"x`, strings.Repeat("s", migrations.SchemaMaxLen)} {
+		require.NoError(t, migrations.CheckSchemaName(good), "%q", good)
+	}
+}
+
+// A role without USAGE on Opts.Schema is told so: the connection then has no current
+// schema, and the error used to advise opening the database with OpenDB, which it was.
+func TestSchemaWithoutUsage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tdb := testdb.NewUnmigrated(t)
+	_, err := migrations.Up(ctx, open(t, tdb.URL, "idem"), &migrations.Opts{Schema: "idem"})
+	require.NoError(t, err)
+	role := "nousage_" + strings.TrimPrefix(tdb.Name, "pgidem_test_")
+	_, err = tdb.Pool.Exec(ctx, "CREATE ROLE "+pgx.Identifier{role}.Sanitize()+" LOGIN")
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, err := tdb.Pool.Exec(context.Background(), "DROP ROLE "+pgx.Identifier{role}.Sanitize())
+		require.NoError(t, err)
+	})
+	require.True(t, strings.HasPrefix(tdb.URL, "postgres://postgres@"), tdb.URL)
+	url := strings.Replace(tdb.URL, "postgres://postgres@", "postgres://"+role+"@", 1)
+	db := open(t, url, "idem")
+	_, err = migrations.Status(ctx, db, &migrations.Opts{Schema: "idem"})
+	require.ErrorContains(t, err, "USAGE")
+	_, err = migrations.Up(ctx, db, &migrations.Opts{Schema: "idem"})
+	require.ErrorContains(t, err, "USAGE")
+	require.NoError(t, db.Close()) // before the role is dropped
 }

@@ -100,19 +100,13 @@ func (a *app) action(fn func(cmd *cobra.Command, args []string) error) func(*cob
 }
 
 // checkSchemaFlag returns a usage error when schema, the value of the flag called name,
-// cannot name a schema as given: longer than migrations.SchemaMaxLen bytes (Postgres would
-// truncate it), with a NUL byte, invalid UTF-8, or only white space. "" (the search_path)
-// is valid.
+// cannot be pgidem's schema (migrations.CheckSchemaName: the rules of
+// pgidem.Config.Schema). "" (the search_path) is valid.
 func checkSchemaFlag(name, schema string) error {
-	switch {
-	case schema == "":
-		return nil
-	case len(schema) > migrations.SchemaMaxLen:
-		return usagef("%s %q is %d bytes long; Postgres truncates identifiers to %d bytes", name, schema, len(schema), migrations.SchemaMaxLen)
-	case strings.TrimSpace(schema) == "":
-		return usagef("%s %q is only white space", name, schema)
+	if err := migrations.CheckSchemaName(schema); err != nil {
+		return usagef("%s %v", name, err)
 	}
-	return checkText(name, schema)
+	return nil
 }
 
 // checkText returns a usage error when value, the argument or flag called name, cannot be

@@ -719,6 +719,8 @@ func TestUsage(t *testing.T) {
 			`pgidem: --schema "` + strings.Repeat("s", 64) + `" is 64 bytes long; Postgres truncates identifiers to 63 bytes (see 'pgidem migrate up --help')`},
 		{"SchemaBlank", []string{"--schema", " ", "stats"}, `pgidem: --schema " " is only white space (see 'pgidem stats --help')`},
 		{"SchemaNotUTF8", []string{"--schema", "id\xffem", "records", "list"}, `pgidem: --schema "id\xffem" is not valid UTF-8 (see 'pgidem records list --help')`},
+		// A schema migrate up would create but the coordinator (sweep) would refuse.
+		{"SchemaControlCharacter", []string{"--schema", "idem\tstore", "migrate", "up"}, `pgidem: --schema "idem\tstore" contains a control character (see 'pgidem migrate up --help')`},
 		{"RiverSchemaWithoutRiver", []string{"migrate", "up", "--river-schema", "queue"}, "pgidem: --river-schema needs --river (see 'pgidem migrate up --help')"},
 		{"RiverSchemaTooLong", []string{"migrate", "up", "--river", "--river-schema", strings.Repeat("q", 64)},
 			`pgidem: --river-schema "` + strings.Repeat("q", 64) + `" is 64 bytes long; Postgres truncates identifiers to 63 bytes (see 'pgidem migrate up --help')`},

@@ -271,40 +271,37 @@ in another time zone shows shifted by that zone's offset.`,
 		Args: cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
-			return a.withProvider(ctx, func(p *goose.Provider, installed bool) error {
-				var status []*goose.MigrationStatus
-				if installed {
-					var err error
-					if status, err = p.Status(ctx); err != nil {
-						return fmt.Errorf("pgidem: migrate status: %w", err)
-					}
-				} else {
-					for _, src := range p.ListSources() {
-						status = append(status, &goose.MigrationStatus{Source: src, State: goose.StatePending})
-					}
+			db, err := a.connectDB(ctx)
+			if err != nil {
+				return err
+			}
+			defer db.Close()
+			// migrations.Status creates nothing where pgidem is not installed.
+			status, err := migrations.Status(ctx, db, &migrations.Opts{Schema: a.schema})
+			if err != nil {
+				return err
+			}
+			rows := make([]statusJSON, 0, len(status))
+			for _, s := range status {
+				row := statusJSON{Version: s.Source.Version, Source: s.Source.Path, State: string(s.State)}
+				if !s.AppliedAt.IsZero() {
+					at := s.AppliedAt.UTC()
+					row.AppliedAt = &at
 				}
-				rows := make([]statusJSON, 0, len(status))
-				for _, s := range status {
-					row := statusJSON{Version: s.Source.Version, Source: s.Source.Path, State: string(s.State)}
-					if !s.AppliedAt.IsZero() {
-						at := s.AppliedAt.UTC()
-						row.AppliedAt = &at
-					}
-					rows = append(rows, row)
+				rows = append(rows, row)
+			}
+			if a.json {
+				return printJSON(a.stdout, rows)
+			}
+			t := newTable(a.stdout, "VERSION", "MIGRATION", "STATE", "APPLIED AT")
+			for _, r := range rows {
+				applied := "-"
+				if r.AppliedAt != nil {
+					applied = timestamp(*r.AppliedAt)
 				}
-				if a.json {
-					return printJSON(a.stdout, rows)
-				}
-				t := newTable(a.stdout, "VERSION", "MIGRATION", "STATE", "APPLIED AT")
-				for _, r := range rows {
-					applied := "-"
-					if r.AppliedAt != nil {
-						applied = timestamp(*r.AppliedAt)
-					}
-					t.row(fmt.Sprint(r.Version), r.Source, r.State, applied)
-				}
-				return t.flush()
-			})
+				t.row(fmt.Sprint(r.Version), r.Source, r.State, applied)
+			}
+			return t.flush()
 		}),
 	}
 }

@@ -1,0 +1,57 @@
+// Package pgidemhttp makes net/http handlers idempotent under the Idempotency-Key request
+// header (IETF draft-ietf-httpapi-idempotency-key-header), with each key's record in
+// Postgres, kept by a [pgidem.Coordinator].
+//
+// A client that sends a POST and loses the response cannot know whether the server acted.
+// With an idempotency key it retries safely: the first request runs the handler and its
+// response is stored; a retry with the same key gets the stored response, marked
+// Idempotent-Replayed: true, and the handler does not run again.
+//
+// # Quick start
+//
+//	mw, err := pgidemhttp.New(coord, &pgidemhttp.Config{
+//		Principal: func(r *http.Request) (string, error) { return auth.UserID(r.Context()) },
+//	})
+//	if err != nil { ... }
+//	mux.Handle("POST /orders", mw.Handler(createOrder))
+//
+// A client sends
+//
+//	POST /orders
+//	Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"
+//
+// The value is a structured field string (RFC 8941); an unquoted token is accepted too.
+//
+// # Semantics
+//
+// Following the draft (section 2.7):
+//   - a missing key where [Config.Required]: 400;
+//   - the key reused with a different request (method, path, query or body, by
+//     [Config.Fingerprint]): 422;
+//   - a retry while the first request is still being handled: 409 with Retry-After;
+//   - a retry after it completed: the stored status, body and allowlisted headers
+//     ([Config.ReplayHeaders]), with Idempotent-Replayed: true.
+//
+// Error responses are problem details (RFC 9457, [Problem]). Keys are scoped to the caller
+// ([Config.Principal]): the record's key is [RecordKey] of the principal and the
+// Idempotency-Key, so one caller can never receive another's response.
+//
+// Server errors (5xx), 429 and panics are not stored by default ([Config.Store]): the key
+// is released, so a retry runs the handler again. A store that cannot be reached before
+// the handler runs is answered 503 and the handler does not run: a request is never run
+// unprotected unless the coordinator opted into [pgidem.Config.FailOpen].
+//
+// While the handler runs, the record is in progress under the coordinator's lease, renewed
+// by the heartbeat; a server that dies mid-request stops renewing, and a retry after the
+// lease takes over and runs the handler again (the record's attempts count 2). So the
+// guarantee for effects outside the database is the coordinator's: at most once while the
+// holder lives. For rows in the same database, make the handler's writes and the key's
+// record one transaction with [pgidem.DoTx] instead.
+//
+// # Records
+//
+// Records live in pgidem_record like any other, in [Config.Namespace] ("http") under
+// [RecordKey]; the result column holds the response as JSON (status, header, and the body
+// as "text" when it is UTF-8, else base64 "body"). Expired records are deleted by the
+// coordinator's sweep.
+package pgidemhttp

@@ -1,0 +1,86 @@
+package pgidemhttp
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+)
+
+// parseKey reads the value of one Idempotency-Key field.
+//
+// The draft defines the field as a Structured Field Item whose value is a String (RFC 8941,
+// section 3.3.3): printable ASCII between double quotes, with \" and \\ as the only
+// escapes, optionally followed by parameters, which carry nothing for idempotency and are
+// ignored. Many clients send the key without quotes (the older, Stripe-style header), so a
+// value that does not start with a double quote is accepted as the key itself when it is
+// printable ASCII without spaces, quotes, backslashes, commas or semicolons. Either way
+// the key must not be empty.
+func parseKey(field string) (string, error) {
+	v := strings.Trim(field, " \t") // optional whitespace around a field value (RFC 9110, 5.5)
+	if v == "" {
+		return "", errors.New("the Idempotency-Key field is empty")
+	}
+	if v[0] != '"' {
+		for i := 0; i < len(v); i++ {
+			if c := v[i]; c <= ' ' || c >= 0x7f || c == '"' || c == '\\' || c == ',' || c == ';' {
+				return "", fmt.Errorf("the Idempotency-Key value holds %s at byte %d; send it as a quoted string (RFC 8941)", describeByte(c), i)
+			}
+		}
+		return v, nil
+	}
+	var b strings.Builder
+	for i := 1; i < len(v); i++ {
+		c := v[i]
+		switch {
+		case c == '\\':
+			if i+1 == len(v) || (v[i+1] != '"' && v[i+1] != '\\') {
+				return "", fmt.Errorf("the Idempotency-Key string has an invalid escape at byte %d: only \\\" and \\\\ are allowed", i)
+			}
+			i++
+			b.WriteByte(v[i])
+		case c == '"':
+			if err := checkParams(v[i+1:]); err != nil {
+				return "", err
+			}
+			if b.Len() == 0 {
+				return "", errors.New("the Idempotency-Key string is empty")
+			}
+			return b.String(), nil
+		case c < ' ' || c >= 0x7f:
+			return "", fmt.Errorf("the Idempotency-Key string holds %s at byte %d; a structured field string is printable ASCII", describeByte(c), i)
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return "", errors.New("the Idempotency-Key string has no closing double quote")
+}
+
+// checkParams accepts what may follow an Item's closing quote: nothing, or parameters
+// (";" key["=" value]...), whose content is not interpreted.
+func checkParams(rest string) error {
+	if rest == "" || rest[0] == ';' {
+		return nil
+	}
+	if strings.TrimLeft(rest, " \t") == "" {
+		return nil
+	}
+	return errors.New("the Idempotency-Key field holds more than one value or text after the closing double quote")
+}
+
+// describeByte names a byte for an error message.
+func describeByte(c byte) string {
+	if c >= ' ' && c < 0x7f {
+		return strconv.QuoteRune(rune(c))
+	}
+	return fmt.Sprintf("byte 0x%02x", c)
+}
+
+// RecordKey returns the key a [Middleware] stores a request's record under, in the
+// namespace of its [Config.Namespace]: the caller's principal and its Idempotency-Key,
+// joined so that no pair of them can collide. It is the principal's length in bytes, a
+// colon, the principal, a colon and the key, e.g. "7:user-42:8e03978e". Use it to find a
+// request's record with [pgidem.Coordinator.Lookup] or in SQL.
+func RecordKey(principal, key string) string {
+	return strconv.Itoa(len(principal)) + ":" + principal + ":" + key
+}

@@ -1,0 +1,59 @@
+package pgidemhttp
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestParseKey(t *testing.T) {
+	t.Parallel()
+
+	valid := []struct{ field, key string }{
+		{`"8e03978e-40d5-43e8-bc93-6894a57f9324"`, "8e03978e-40d5-43e8-bc93-6894a57f9324"},
+		{`8e03978e-40d5-43e8-bc93-6894a57f9324`, "8e03978e-40d5-43e8-bc93-6894a57f9324"}, // unquoted, Stripe-style
+		{` "abc" `, "abc"},
+		{`"a b"`, "a b"},
+		{`"a\"b\\c"`, `a"b\c`},
+		{`"abc";v=1`, "abc"}, // parameters are ignored
+		{`"abc"   `, "abc"},
+	}
+	for _, tt := range valid {
+		key, err := parseKey(tt.field)
+		require.NoError(t, err, tt.field)
+		require.Equal(t, tt.key, key, tt.field)
+	}
+
+	invalid := []struct{ field, msg string }{
+		{``, "empty"},
+		{`   `, "empty"},
+		{`""`, "empty"},
+		{`"abc`, "no closing double quote"},
+		{`"a\x"`, "invalid escape"},
+		{`"a\`, "invalid escape"},
+		{"\"a\x01b\"", "byte 0x01"},
+		{"\"caf\xc3\xa9\"", "byte 0xc3"},
+		{`"abc", "def"`, "more than one value"},
+		{`"abc"x`, "after the closing double quote"},
+		{`"abc" ;v=1`, "after the closing double quote"}, // RFC 8941: parameters follow at once
+		{`a b`, `' '`},
+		{`a,b`, `','`},
+		{`a;b`, `';'`},
+		{`a"b`, `'"'`},
+		{"ab\x7f", "byte 0x7f"},
+	}
+	for _, tt := range invalid {
+		_, err := parseKey(tt.field)
+		require.Error(t, err, tt.field)
+		require.Contains(t, err.Error(), tt.msg, tt.field)
+	}
+}
+
+func TestRecordKeyIsUnambiguous(t *testing.T) {
+	t.Parallel()
+
+	require.Equal(t, "7:user-42:k1", RecordKey("user-42", "k1"))
+	// A principal that ends like a key cannot produce another pair's record key.
+	require.NotEqual(t, RecordKey("a:b", "c"), RecordKey("a", "b:c"))
+	require.NotEqual(t, RecordKey("1:a", "b"), RecordKey("1", "a:b"))
+}

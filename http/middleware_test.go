@@ -1,0 +1,593 @@
+package pgidemhttp_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	pgidemhttp "github.com/pgidem/pgidem/http"
+	"github.com/pgidem/pgidem/internal/testdb"
+	"github.com/pgidem/pgidem/pgidem"
+)
+
+// principalHeader names the test's caller; a real service takes it from authentication.
+const principalHeader = "X-Test-User"
+
+func principalFromHeader(r *http.Request) (string, error) {
+	if u := r.Header.Get(principalHeader); u != "" {
+		return u, nil
+	}
+	return "", errors.New("no user")
+}
+
+type testBundle struct {
+	db    *testdb.DB
+	coord *pgidem.Coordinator
+	calls atomic.Int64
+}
+
+// setup returns a fresh database and a coordinator on it.
+func setup(t *testing.T, coordConfig *pgidem.Config) *testBundle {
+	t.Helper()
+	db := testdb.New(t)
+	coord, err := pgidem.NewCoordinator(db.Pool, coordConfig)
+	require.NoError(t, err)
+	return &testBundle{db: db, coord: coord}
+}
+
+// handler wraps next with a middleware of config (Principal defaults to the test header).
+func (b *testBundle) handler(t *testing.T, config *pgidemhttp.Config, next http.Handler) http.Handler {
+	t.Helper()
+	cfg := pgidemhttp.Config{}
+	if config != nil {
+		cfg = *config
+	}
+	if cfg.Principal == nil {
+		cfg.Principal = principalFromHeader
+	}
+	mw, err := pgidemhttp.New(b.coord, &cfg)
+	require.NoError(t, err)
+	return mw.Handler(next)
+}
+
+// createOrder is the effect: it counts its runs and answers 201 with the order number, the
+// body it read, and headers of which only some are replayed.
+func (b *testBundle) createOrder() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := b.calls.Add(1)
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Location", fmt.Sprintf("/orders/%d", n))
+		w.Header().Set("Set-Cookie", "session=secret")
+		w.Header().Set("X-Run", strconv.FormatInt(n, 10))
+		w.WriteHeader(http.StatusCreated)
+		_, _ = fmt.Fprintf(w, `{"order":%d,"request":%q}`, n, body)
+	})
+}
+
+// request builds a request; key is the raw Idempotency-Key field ("" for none).
+func request(method, target, user, key, body string) *http.Request {
+	r := httptest.NewRequest(method, target, strings.NewReader(body))
+	if user != "" {
+		r.Header.Set(principalHeader, user)
+	}
+	if key != "" {
+		r.Header.Set(pgidemhttp.HeaderKey, key)
+	}
+	return r
+}
+
+func serve(h http.Handler, r *http.Request) *httptest.ResponseRecorder {
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, r)
+	return w
+}
+
+// requireProblem asserts a problem details response with status and code.
+func requireProblem(t *testing.T, w *httptest.ResponseRecorder, status int, code string) pgidemhttp.Problem {
+	t.Helper()
+	require.Equal(t, status, w.Code, w.Body.String())
+	require.Equal(t, pgidemhttp.ProblemContentType, w.Header().Get("Content-Type"))
+	var p pgidemhttp.Problem
+	require.NoError(t, json.Unmarshal(w.Body.Bytes(), &p))
+	require.Equal(t, code, p.Code)
+	require.Equal(t, status, p.Status)
+	require.Equal(t, "about:blank", p.Type)
+	require.Equal(t, http.StatusText(status), p.Title)
+	require.NotEmpty(t, p.Detail)
+	require.Empty(t, w.Header().Get(pgidemhttp.HeaderReplayed))
+	return p
+}
+
+func TestReplay(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, b.createOrder())
+
+	first := serve(h, request("POST", "/orders", "alice", `"k-1"`, `{"sku":"A"}`))
+	require.Equal(t, http.StatusCreated, first.Code)
+	require.Empty(t, first.Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, "session=secret", first.Header().Get("Set-Cookie"))
+
+	second := serve(h, request("POST", "/orders", "alice", `"k-1"`, `{"sku":"A"}`))
+	require.Equal(t, http.StatusCreated, second.Code)
+	require.Equal(t, "true", second.Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, first.Body.String(), second.Body.String())
+	require.Equal(t, `{"order":1,"request":"{\"sku\":\"A\"}"}`, second.Body.String())
+	require.Equal(t, "application/json", second.Header().Get("Content-Type"))
+	require.Equal(t, "/orders/1", second.Header().Get("Location"))
+	require.Empty(t, second.Header().Get("Set-Cookie"), "only allowlisted headers are replayed")
+	require.Empty(t, second.Header().Get("X-Run"))
+	require.Equal(t, strconv.Itoa(second.Body.Len()), second.Header().Get("Content-Length"))
+
+	// The same key unquoted is the same key.
+	third := serve(h, request("POST", "/orders", "alice", `k-1`, `{"sku":"A"}`))
+	require.Equal(t, "true", third.Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, int64(1), b.calls.Load())
+
+	// The record is an ordinary one, readable by key.
+	rec, err := b.coord.Lookup(context.Background(), pgidemhttp.NamespaceDefault, pgidemhttp.RecordKey("alice", "k-1"))
+	require.NoError(t, err)
+	require.Equal(t, pgidem.StatusCompleted, rec.Status)
+	require.Equal(t, 1, rec.Attempts)
+	require.NotEmpty(t, rec.Fingerprint)
+	var stored struct {
+		Status int                 `json:"status"`
+		Header map[string][]string `json:"header"`
+		Text   string              `json:"text"`
+	}
+	require.NoError(t, json.Unmarshal(rec.Result, &stored))
+	require.Equal(t, http.StatusCreated, stored.Status)
+	require.Equal(t, first.Body.String(), stored.Text, "a text body is readable in the record")
+	require.NotContains(t, stored.Header, "Set-Cookie")
+}
+
+func TestFingerprintMismatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, b.createOrder())
+
+	require.Equal(t, http.StatusCreated, serve(h, request("POST", "/orders", "alice", `"k"`, `{"sku":"A"}`)).Code)
+	for _, r := range []*http.Request{
+		request("POST", "/orders", "alice", `"k"`, `{"sku":"B"}`),       // another body
+		request("POST", "/payments", "alice", `"k"`, `{"sku":"A"}`),     // another endpoint
+		request("POST", "/orders?dry=1", "alice", `"k"`, `{"sku":"A"}`), // another query
+		request("PATCH", "/orders", "alice", `"k"`, `{"sku":"A"}`),      // another method
+	} {
+		requireProblem(t, serve(h, r), http.StatusUnprocessableEntity, "idempotency_key_reused")
+	}
+	require.Equal(t, int64(1), b.calls.Load())
+}
+
+func TestInProgress(t *testing.T) {
+	t.Parallel()
+
+	t.Run("Raise", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		entered, release := make(chan struct{}), make(chan struct{})
+		slow := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			close(entered)
+			<-release
+			b.createOrder().ServeHTTP(w, r)
+		})
+		h := b.handler(t, nil, slow)
+
+		done := make(chan *httptest.ResponseRecorder)
+		go func() { done <- serve(h, request("POST", "/orders", "alice", `"k"`, "x")) }()
+		<-entered
+		w := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+		requireProblem(t, w, http.StatusConflict, "idempotency_key_in_progress")
+		retry, err := strconv.Atoi(w.Header().Get("Retry-After"))
+		require.NoError(t, err)
+		require.GreaterOrEqual(t, retry, 1)
+		require.LessOrEqual(t, retry, int(pgidem.LeaseDefault/time.Second))
+
+		close(release)
+		first := <-done
+		require.Equal(t, http.StatusCreated, first.Code)
+		again := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+		require.Equal(t, "true", again.Header().Get(pgidemhttp.HeaderReplayed))
+		require.Equal(t, first.Body.String(), again.Body.String())
+		require.Equal(t, int64(1), b.calls.Load())
+	})
+
+	t.Run("Wait", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		entered, release := make(chan struct{}), make(chan struct{})
+		slow := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			close(entered)
+			<-release
+			b.createOrder().ServeHTTP(w, r)
+		})
+		h := b.handler(t, &pgidemhttp.Config{InFlight: pgidem.InFlightWait, WaitTimeout: time.Minute}, slow)
+
+		done := make(chan *httptest.ResponseRecorder, 2)
+		go func() { done <- serve(h, request("POST", "/orders", "alice", `"k"`, "x")) }()
+		<-entered
+		go func() { done <- serve(h, request("POST", "/orders", "alice", `"k"`, "x")) }()
+		// The second request waits for the first (it cannot finish before release).
+		select {
+		case w := <-done:
+			t.Fatalf("a request finished before the handler was released: %d %s", w.Code, w.Body)
+		case <-time.After(200 * time.Millisecond):
+		}
+		close(release)
+		a, c := <-done, <-done
+		require.Equal(t, http.StatusCreated, a.Code)
+		require.Equal(t, http.StatusCreated, c.Code)
+		require.Equal(t, a.Body.String(), c.Body.String())
+		require.Equal(t, "true", a.Header().Get(pgidemhttp.HeaderReplayed)+c.Header().Get(pgidemhttp.HeaderReplayed))
+		require.Equal(t, int64(1), b.calls.Load())
+	})
+}
+
+func TestConcurrentRequestsRunOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, &pgidemhttp.Config{InFlight: pgidem.InFlightWait, WaitTimeout: time.Minute}, b.createOrder())
+
+	const n = 20
+	var wg sync.WaitGroup
+	responses := make([]*httptest.ResponseRecorder, n)
+	for i := range n {
+		wg.Go(func() { responses[i] = serve(h, request("POST", "/orders", "alice", `"same"`, "body")) })
+	}
+	wg.Wait()
+	require.Equal(t, int64(1), b.calls.Load())
+	replayed := 0
+	for _, w := range responses {
+		require.Equal(t, http.StatusCreated, w.Code)
+		require.Equal(t, responses[0].Body.String(), w.Body.String())
+		if w.Header().Get(pgidemhttp.HeaderReplayed) == "true" {
+			replayed++
+		}
+	}
+	require.Equal(t, n-1, replayed)
+}
+
+func TestMissingKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+
+	required := b.handler(t, &pgidemhttp.Config{Required: true}, b.createOrder())
+	requireProblem(t, serve(required, request("POST", "/orders", "alice", "", "x")), http.StatusBadRequest, "idempotency_key_missing")
+	require.Equal(t, int64(0), b.calls.Load())
+
+	// Without Required a request without a key is the application's business: it runs
+	// every time, unprotected.
+	optional := b.handler(t, nil, b.createOrder())
+	for range 2 {
+		w := serve(optional, request("POST", "/orders", "alice", "", "x"))
+		require.Equal(t, http.StatusCreated, w.Code)
+		require.Empty(t, w.Header().Get(pgidemhttp.HeaderReplayed))
+	}
+	require.Equal(t, int64(2), b.calls.Load())
+}
+
+func TestInvalidKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, &pgidemhttp.Config{Required: true}, b.createOrder())
+
+	for _, field := range []string{
+		`""`, `"abc`, `"a\x"`, "a b", "\"caf\xc3\xa9\"", `"a", "b"`,
+		`"` + strings.Repeat("k", 300) + `"`, // longer than the coordinator's MaxKeyBytes with its principal
+	} {
+		requireProblem(t, serve(h, request("POST", "/orders", "alice", field, "x")), http.StatusBadRequest, "idempotency_key_invalid")
+	}
+	twice := request("POST", "/orders", "alice", `"a"`, "x")
+	twice.Header.Add(pgidemhttp.HeaderKey, `"b"`)
+	requireProblem(t, serve(h, twice), http.StatusBadRequest, "idempotency_key_invalid")
+	require.Equal(t, int64(0), b.calls.Load(), "an invalid key never runs the handler")
+
+	var n int
+	require.NoError(t, b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pgidem_record`).Scan(&n))
+	require.Zero(t, n)
+}
+
+func TestKeysAreScopedToThePrincipal(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, b.createOrder())
+
+	alice := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	bob := serve(h, request("POST", "/orders", "bob", `"k"`, "x"))
+	require.Equal(t, http.StatusCreated, alice.Code)
+	require.Equal(t, http.StatusCreated, bob.Code)
+	require.Empty(t, bob.Header().Get(pgidemhttp.HeaderReplayed), "bob must not receive alice's response")
+	require.NotEqual(t, alice.Body.String(), bob.Body.String())
+	require.Equal(t, int64(2), b.calls.Load())
+
+	// Each replays its own.
+	require.Equal(t, alice.Body.String(), serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Body.String())
+	require.Equal(t, bob.Body.String(), serve(h, request("POST", "/orders", "bob", `"k"`, "x")).Body.String())
+
+	// A caller that cannot be identified gets 401 and nothing runs.
+	requireProblem(t, serve(h, request("POST", "/orders", "", `"k"`, "x")), http.StatusUnauthorized, "principal_unknown")
+	empty := b.handler(t, &pgidemhttp.Config{Principal: func(*http.Request) (string, error) { return "", nil }}, b.createOrder())
+	requireProblem(t, serve(empty, request("POST", "/orders", "alice", `"k"`, "x")), http.StatusUnauthorized, "principal_unknown")
+	require.Equal(t, int64(2), b.calls.Load())
+}
+
+// statusHandler answers the statuses in order, one per run, and counts runs.
+func statusHandler(runs *atomic.Int64, statuses ...int) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := runs.Add(1)
+		status := statuses[min(int(n), len(statuses))-1]
+		w.WriteHeader(status)
+		_, _ = fmt.Fprintf(w, "run %d: %d", n, status)
+	})
+}
+
+func TestResponsesNotStored(t *testing.T) {
+	t.Parallel()
+
+	for _, status := range []int{http.StatusInternalServerError, http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusTooManyRequests} {
+		t.Run(strconv.Itoa(status), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			var runs atomic.Int64
+			h := b.handler(t, nil, statusHandler(&runs, status, http.StatusCreated))
+
+			require.Equal(t, status, serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Code)
+			second := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+			require.Equal(t, http.StatusCreated, second.Code, "the retry ran the handler again")
+			require.Empty(t, second.Header().Get(pgidemhttp.HeaderReplayed))
+			third := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+			require.Equal(t, "true", third.Header().Get(pgidemhttp.HeaderReplayed))
+			require.Equal(t, "run 2: 201", third.Body.String())
+			require.Equal(t, int64(2), runs.Load())
+		})
+	}
+
+	// Stored responses replay, whatever their status.
+	for _, tt := range []struct {
+		name   string
+		config *pgidemhttp.Config
+		status int
+	}{
+		{"ClientErrorsAreStored", nil, http.StatusBadRequest},
+		{"CustomPolicy", &pgidemhttp.Config{Store: func(int) bool { return true }}, http.StatusInternalServerError},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			var runs atomic.Int64
+			h := b.handler(t, tt.config, statusHandler(&runs, tt.status, http.StatusCreated))
+			require.Equal(t, tt.status, serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Code)
+			again := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+			require.Equal(t, tt.status, again.Code)
+			require.Equal(t, "true", again.Header().Get(pgidemhttp.HeaderReplayed))
+			require.Equal(t, int64(1), runs.Load())
+		})
+	}
+}
+
+func TestPanicReleases(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var runs atomic.Int64
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if runs.Add(1) == 1 {
+			panic("handler failed")
+		}
+		w.WriteHeader(http.StatusCreated)
+	}))
+
+	require.PanicsWithValue(t, "handler failed", func() { serve(h, request("POST", "/orders", "alice", `"k"`, "x")) })
+	require.Equal(t, http.StatusCreated, serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Code)
+	require.Equal(t, "true", serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, int64(2), runs.Load())
+}
+
+func TestClientGoneIsNotStored(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var runs atomic.Int64
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if runs.Add(1) == 1 {
+			<-r.Context().Done() // the client goes away; the handler gives up without answering
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	}))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	r := request("POST", "/orders", "alice", `"k"`, "x").WithContext(ctx)
+	go func() {
+		for runs.Load() == 0 {
+			time.Sleep(time.Millisecond)
+		}
+		cancel()
+	}()
+	serve(h, r)
+	require.Equal(t, http.StatusCreated, serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Code, "the abandoned request was not stored")
+	require.Equal(t, int64(2), runs.Load())
+}
+
+func TestOtherMethodsPassThrough(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, b.createOrder())
+	for range 2 {
+		w := serve(h, request("GET", "/orders", "", `"k"`, ""))
+		require.Equal(t, http.StatusCreated, w.Code)
+		require.Empty(t, w.Header().Get(pgidemhttp.HeaderReplayed))
+	}
+	require.Equal(t, int64(2), b.calls.Load())
+
+	put := b.handler(t, &pgidemhttp.Config{Methods: []string{"PUT"}}, b.createOrder())
+	serve(put, request("PUT", "/orders/1", "alice", `"k"`, "x"))
+	require.Equal(t, "true", serve(put, request("PUT", "/orders/1", "alice", `"k"`, "x")).Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, int64(3), b.calls.Load())
+}
+
+func TestRequestTooLarge(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, &pgidemhttp.Config{MaxRequestBytes: 16}, b.createOrder())
+
+	requireProblem(t, serve(h, request("POST", "/orders", "alice", `"k"`, strings.Repeat("x", 17))), http.StatusRequestEntityTooLarge, "request_too_large")
+	require.Equal(t, int64(0), b.calls.Load())
+	// At the limit the handler reads the whole body.
+	w := serve(h, request("POST", "/orders", "alice", `"k"`, strings.Repeat("y", 16)))
+	require.Equal(t, http.StatusCreated, w.Code)
+	require.Contains(t, w.Body.String(), strings.Repeat("y", 16))
+}
+
+func TestStoreUnavailable(t *testing.T) {
+	t.Parallel()
+	b := setup(t, &pgidem.Config{Schema: "no_such_schema"})
+	h := b.handler(t, nil, b.createOrder())
+
+	w := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	requireProblem(t, w, http.StatusServiceUnavailable, "store_unavailable")
+	require.Equal(t, "1", w.Header().Get("Retry-After"))
+	require.Equal(t, int64(0), b.calls.Load(), "a request is never run unprotected")
+}
+
+func TestLargeResponseStoredWithoutBody(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var runs atomic.Int64
+	h := b.handler(t, &pgidemhttp.Config{MaxResponseBytes: 8}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.Header().Set("Content-Type", "text/plain")
+		w.Header().Set("Location", "/orders/1")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, "0123456789")
+		_, _ = io.WriteString(w, "abcdef")
+	}))
+
+	first := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	require.Equal(t, "0123456789abcdef", first.Body.String(), "the client gets the whole response")
+	replay := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	require.Equal(t, http.StatusCreated, replay.Code)
+	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed))
+	require.Empty(t, replay.Body.String())
+	require.Equal(t, "0", replay.Header().Get("Content-Length"))
+	require.Equal(t, "/orders/1", replay.Header().Get("Location"))
+	require.Empty(t, replay.Header().Get("Content-Type"), "no body, no type")
+	require.Equal(t, int64(1), runs.Load())
+}
+
+func TestBinaryBodyReplaysExactly(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	payload := []byte{0x00, 0xff, 0xfe, 'a', 0x00, 0x80}
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/octet-stream")
+		_, _ = w.Write(payload) // an implicit 200
+	}))
+
+	serve(h, request("POST", "/blobs", "alice", `"k"`, "x"))
+	replay := serve(h, request("POST", "/blobs", "alice", `"k"`, "x"))
+	require.Equal(t, http.StatusOK, replay.Code)
+	require.Equal(t, payload, replay.Body.Bytes())
+	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed))
+}
+
+func TestHandlerSeesKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var ns, key string
+	h := b.handler(t, &pgidemhttp.Config{Namespace: "api"}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ns, key, _ = pgidem.KeyFromContext(r.Context())
+	}))
+	require.Equal(t, http.StatusOK, serve(h, request("POST", "/orders", "alice", `"k:1"`, "x")).Code)
+	require.Equal(t, "api", ns)
+	require.Equal(t, "5:alice:k:1", key)
+}
+
+// Over a real connection: a handler that flushes mid-response streams it, and the retry
+// gets it back whole.
+func TestRealServer(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b.calls.Add(1)
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		_, _ = io.WriteString(w, "part 1, ")
+		require.NoError(t, http.NewResponseController(w).Flush())
+		_, _ = io.WriteString(w, "part 2")
+	}))
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+
+	post := func() (*http.Response, string) {
+		req, err := http.NewRequest("POST", srv.URL+"/stream", strings.NewReader("x"))
+		require.NoError(t, err)
+		req.Header.Set(principalHeader, "alice")
+		req.Header.Set(pgidemhttp.HeaderKey, `"stream-1"`)
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp, string(body)
+	}
+	first, body1 := post()
+	require.Equal(t, http.StatusOK, first.StatusCode)
+	require.Equal(t, "part 1, part 2", body1)
+	require.Equal(t, []string{"chunked"}, first.TransferEncoding, "the flush streamed the response")
+	second, body2 := post()
+	require.Equal(t, "part 1, part 2", body2)
+	require.Equal(t, "true", second.Header.Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, "text/plain; charset=utf-8", second.Header.Get("Content-Type"))
+	require.Equal(t, int64(1), b.calls.Load())
+}
+
+func TestNewValidatesConfig(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	principal := func(*http.Request) (string, error) { return "p", nil }
+
+	_, err := pgidemhttp.New(nil, &pgidemhttp.Config{Principal: principal})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	for _, tt := range []struct {
+		config pgidemhttp.Config
+		field  string
+	}{
+		{pgidemhttp.Config{}, "Config.Principal"},
+		{pgidemhttp.Config{Principal: principal, TTL: time.Second}, "Config.TTL"},
+		{pgidemhttp.Config{Principal: principal, InFlight: 9}, "Config.InFlight"},
+		{pgidemhttp.Config{Principal: principal, WaitTimeout: -1}, "Config.WaitTimeout"},
+		{pgidemhttp.Config{Principal: principal, MaxRequestBytes: -1}, "Config.MaxRequestBytes"},
+		{pgidemhttp.Config{Principal: principal, MaxResponseBytes: -1}, "Config.MaxResponseBytes"},
+		{pgidemhttp.Config{Principal: principal, Methods: []string{}}, "Config.Methods"},
+		{pgidemhttp.Config{Principal: principal, Namespace: strings.Repeat("n", 65)}, "Config.Namespace"},
+		{pgidemhttp.Config{Principal: principal, Namespace: "a\x00b"}, "Config.Namespace"},
+	} {
+		_, err := pgidemhttp.New(b.coord, &tt.config)
+		require.ErrorIs(t, err, pgidem.ErrInvalidArgument, tt.field)
+		require.ErrorContains(t, err, tt.field)
+	}
+
+	mw, err := pgidemhttp.New(b.coord, &pgidemhttp.Config{Principal: principal})
+	require.NoError(t, err)
+	cfg := mw.Config()
+	require.Equal(t, pgidemhttp.NamespaceDefault, cfg.Namespace)
+	require.Equal(t, pgidemhttp.TTLDefault, cfg.TTL)
+	require.Equal(t, []string{"POST", "PATCH"}, cfg.Methods)
+	require.Equal(t, pgidem.InFlightRaise, cfg.InFlight)
+	require.EqualValues(t, pgidemhttp.MaxRequestBytesDefault, cfg.MaxRequestBytes)
+	require.Contains(t, cfg.ReplayHeaders, "Location")
+}

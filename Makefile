@@ -8,7 +8,7 @@ TEST_FLAGS    ?=
 BENCH         ?= .
 BENCH_COUNT   ?= 6
 
-.PHONY: all test lint demo bench bench-river build tidy
+.PHONY: all test lint demo bench bench-river bench-http build tidy
 
 all: lint test
 
@@ -40,6 +40,10 @@ bench:
 ## bench-river: jobs per second through River with and without the middleware.
 bench-river:
 	$(GO) test -run '^$$' -bench RiverThroughput -benchtime 10000x -count 6 ./river/
+
+## bench-http: a POST handler behind pgidemhttp beside a hand-written raw-SQL wrapper.
+bench-http:
+	$(GO) test -run '^$$' -bench Handler -count $(BENCH_COUNT) ./http/
 
 tidy:
 	$(GO) mod tidy

@@ -10,46 +10,20 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgidem/pgidem/internal/benchsql"
 	"github.com/pgidem/pgidem/internal/testdb"
 	"github.com/pgidem/pgidem/pgidem"
 )
 
-// The baselines send the statements pgidem sends, through the same pool, with none of the
-// library around them: the ratio pgidem/baseline from one run is the library's overhead.
-// A fresh key costs an indexed read (miss), the reserving insert and the completing update;
-// a replay costs the indexed read alone. Replay/minimal-read is the cheapest possible
-// indexed read of a result, for the issue's "replay vs one indexed read" comparison.
-const (
-	benchReserveSQL = `
-WITH ins AS (
-	INSERT INTO pgidem_record (namespace, key, status, owner, attempts, fingerprint, lease_expires_at, expires_at)
-	VALUES ($1, $2, 'in_progress', $3, 1, $4, now() + $5 * interval '1 microsecond', now() + $6 * interval '1 microsecond')
-	ON CONFLICT (namespace, key) DO NOTHING
-	RETURNING true AS inserted, status, owner, attempts, fingerprint, result, error, lease_expires_at,
-		expires_at, created_at, updated_at, completed_at, expires_at <= now() AS expired,
-		(status = 'in_progress' AND lease_expires_at <= now()) AS lease_expired, now() AS db_now
-)
-SELECT * FROM ins
-UNION ALL
-SELECT false, status, owner, attempts, fingerprint, result, error, lease_expires_at,
-	expires_at, created_at, updated_at, completed_at, expires_at <= now() AS expired,
-	(status = 'in_progress' AND lease_expires_at <= now()) AS lease_expired, now() AS db_now
-FROM pgidem_record WHERE namespace = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`
-	benchCompleteSQL = `
-UPDATE pgidem_record SET status = $4, result = $5, error = $6, lease_expires_at = NULL,
-	completed_at = now(), expires_at = now() + $7 * interval '1 microsecond', updated_at = now()
-WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`
-	// benchReadSQL is pgidem's probe: the indexed read that starts every call.
-	benchReadSQL = `SELECT status, attempts, fingerprint, result, error, lease_expires_at, completed_at,
-	expires_at <= now() AS expired, (status = 'in_progress' AND lease_expires_at <= now()) AS lease_expired,
-	now() AS db_now
-FROM pgidem_record WHERE namespace = $1 AND key = $2`
-	// benchMinimalReadSQL is the cheapest indexed read of a stored result.
-	benchMinimalReadSQL = `SELECT result FROM pgidem_record WHERE namespace = $1 AND key = $2`
-)
+// The baselines (internal/benchsql) send the statements pgidem sends, through the same
+// pool, with none of the library around them: the ratio pgidem/baseline from one run is the
+// library's overhead. A fresh key costs an indexed read (miss), the reserving insert and
+// the completing update; a replay costs the indexed read alone. Replay/minimal-read is the
+// cheapest possible indexed read of a result, for the issue's "replay vs one indexed read"
+// comparison.
+const benchMinimalReadSQL = benchsql.MinimalReadSQL
 
 func benchPrefix() string {
 	var b [4]byte
@@ -59,23 +33,9 @@ func benchPrefix() string {
 
 // benchBaselineFresh sends by hand the three statements of a fresh key through pool.
 func benchBaselineFresh(ctx context.Context, b testing.TB, pool *pgxpool.Pool, key string) {
-	owner := pgtype.UUID{Valid: true}
-	_, _ = rand.Read(owner.Bytes[:])
-	rows, err := pool.Query(ctx, benchReadSQL, "bench", key)
+	err := benchsql.Fresh(ctx, pool, "bench", key, nil, pgidem.LeaseDefault, testTTL,
+		func() ([]byte, error) { return []byte(`"em_1"`), nil })
 	if err != nil {
-		b.Fatal(err)
-	}
-	if rows.Next() {
-		b.Fatal("fresh key found")
-	}
-	rows.Close()
-	ttl := micros(testTTL)
-	rows, err = pool.Query(ctx, benchReserveSQL, "bench", key, owner, nil, micros(pgidem.LeaseDefault), ttl)
-	if err != nil {
-		b.Fatal(err)
-	}
-	rows.Close()
-	if _, err := pool.Exec(ctx, benchCompleteSQL, "bench", key, owner, "completed", []byte(`"em_1"`), nil, ttl); err != nil {
 		b.Fatal(err)
 	}
 }
@@ -150,19 +110,7 @@ func BenchmarkDo(b *testing.B) {
 		}
 	}
 	baselineReplay := func() {
-		// The same read, scanned into plain values as hand-written code would.
-		var (
-			status                 string
-			attempts               int
-			fingerprint            []byte
-			result, failure        []byte
-			leaseExpires, complete *time.Time
-			expired, leaseExpired  bool
-			now                    time.Time
-		)
-		err := db.Pool.QueryRow(ctx, benchReadSQL, "bench", "replayed").Scan(&status, &attempts, &fingerprint,
-			&result, &failure, &leaseExpires, &complete, &expired, &leaseExpired, &now)
-		if err != nil {
+		if _, err := benchsql.Replay(ctx, db.Pool, "bench", "replayed"); err != nil {
 			b.Fatal(err)
 		}
 	}

@@ -56,17 +56,57 @@ func parseKey(field string) (string, error) {
 	return "", errors.New("the Idempotency-Key string has no closing double quote")
 }
 
-// checkParams accepts what may follow an Item's closing quote: nothing, or parameters
-// (";" key["=" value]...), whose content is not interpreted.
+// checkParams accepts what may follow an Item's closing quote: nothing but optional
+// whitespace, or parameters (RFC 8941, section 3.1.2: ";" *SP key [ "=" bare-item ], keys
+// of lower-case letters, digits, "_", "-", "." and "*"), whose values are checked for
+// shape only and not interpreted.
 func checkParams(rest string) error {
-	if rest == "" || rest[0] == ';' {
-		return nil
+	bad := errors.New("the Idempotency-Key field holds more than one value or text after the closing double quote")
+	for rest != "" && rest[0] == ';' {
+		rest = strings.TrimLeft(rest[1:], " ")
+		n := 0
+		for n < len(rest) && (isLower(rest[n]) || rest[n] == '*' || (n > 0 && (isDigit(rest[n]) || strings.IndexByte("_-.", rest[n]) >= 0))) {
+			n++
+		}
+		if n == 0 {
+			return errors.New("the Idempotency-Key field has a parameter without a valid name")
+		}
+		rest = rest[n:]
+		if rest == "" || rest[0] != '=' {
+			continue
+		}
+		rest = rest[1:]
+		if rest != "" && rest[0] == '"' {
+			end := 1
+			for ; end < len(rest) && rest[end] != '"'; end++ {
+				if rest[end] == '\\' {
+					end++
+				}
+			}
+			if end >= len(rest) {
+				return errors.New("the Idempotency-Key field has a parameter string without a closing double quote")
+			}
+			rest = rest[end+1:]
+			continue
+		}
+		// An integer, decimal, token, byte sequence or boolean: the characters they use.
+		n = 0
+		for n < len(rest) && rest[n] > ' ' && rest[n] < 0x7f && strings.IndexByte(`",;()<>@[\]{}`, rest[n]) < 0 {
+			n++
+		}
+		if n == 0 {
+			return errors.New("the Idempotency-Key field has a parameter without a value after '='")
+		}
+		rest = rest[n:]
 	}
-	if strings.TrimLeft(rest, " \t") == "" {
-		return nil
+	if strings.TrimLeft(rest, " \t") != "" {
+		return bad
 	}
-	return errors.New("the Idempotency-Key field holds more than one value or text after the closing double quote")
+	return nil
 }
+
+func isLower(c byte) bool { return c >= 'a' && c <= 'z' }
+func isDigit(c byte) bool { return c >= '0' && c <= '9' }
 
 // describeByte names a byte for an error message.
 func describeByte(c byte) string {

@@ -16,6 +16,9 @@ func TestParseKey(t *testing.T) {
 		{`"a b"`, "a b"},
 		{`"a\"b\\c"`, `a"b\c`},
 		{`"abc";v=1`, "abc"}, // parameters are ignored
+		{`"abc";v`, "abc"},
+		{`"abc";a=1;b="x;y";c=?1;d=:aGk=:;e=tok/en;f=-1.5`, "abc"},
+		{`"abc"; v=1 `, "abc"},
 		{`"abc"   `, "abc"},
 	}
 	for _, tt := range valid {
@@ -36,6 +39,13 @@ func TestParseKey(t *testing.T) {
 		{`"abc", "def"`, "more than one value"},
 		{`"abc"x`, "after the closing double quote"},
 		{`"abc" ;v=1`, "after the closing double quote"}, // RFC 8941: parameters follow at once
+		{`"a";p, "b"`, "more than one value"},
+		{`"a";`, "without a valid name"},
+		{`"a";;;==,,`, "without a valid name"},
+		{`"a";P=1`, "without a valid name"},
+		{`"a";p=`, "without a value"},
+		{`"a";p="x`, "without a closing double quote"},
+		{`"a";p=1,`, "more than one value"},
 		{`a b`, `' '`},
 		{`a,b`, `','`},
 		{`a;b`, `';'`},

@@ -1,15 +1,18 @@
 package pgidemhttp
 
 import (
+	"bufio"
 	"bytes"
 	"cmp"
 	"context"
 	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"math"
+	"net"
 	"net/http"
 	"slices"
 	"strconv"
@@ -104,8 +107,8 @@ type Config struct {
 	// not run. Default false: such a request passes to the handler unprotected.
 	Required bool
 
-	// Methods are the request methods the middleware applies to; other requests pass to
-	// the handler untouched, with or without a key. Default POST and PATCH, the
+	// Methods are the request methods the middleware applies to, in upper case; other
+	// requests pass to the handler untouched, with or without a key. Default POST and PATCH, the
 	// non-idempotent methods the draft is for (GET, PUT and DELETE are idempotent by
 	// definition, RFC 9110 section 9.2.2).
 	Methods []string
@@ -117,9 +120,11 @@ type Config struct {
 
 	// MaxResponseBytes bounds the response body stored for replay, in bytes. A longer
 	// response is sent to the client as usual and stored without its body: a replay then
-	// sends the status and headers with an empty body. Stored bodies are base64 in the
-	// record's JSON unless they are UTF-8 text, so keep 4/3 of it under the coordinator's
-	// [pgidem.Config.MaxValueBytes]. Default [MaxResponseBytesDefault] (1 MiB).
+	// sends the status with an empty body and only the Location and Link headers. The same
+	// happens when the record's JSON would be longer than the coordinator's
+	// [pgidem.Config.MaxValueBytes] (16 MiB by default): a body is stored as JSON text when
+	// it is UTF-8 (where a control or HTML character takes a six-byte escape), else as
+	// base64 (4/3 of its size). Default [MaxResponseBytesDefault] (1 MiB).
 	MaxResponseBytes int
 
 	// ReplayHeaders are the response headers stored and replayed, as the draft asks for
@@ -228,6 +233,12 @@ func New(coord *pgidem.Coordinator, config *Config) (*Middleware, error) {
 	case len(cfg.Methods) == 0:
 		return nil, invalid("Config.Methods is empty: the middleware would apply to no request")
 	}
+	for _, method := range cfg.Methods {
+		// Methods are case-sensitive (RFC 9110, 9.1): "post" would never match a POST.
+		if method == "" || strings.IndexFunc(method, func(r rune) bool { return r < 'A' || r > 'Z' }) >= 0 {
+			return nil, invalid("Config.Methods holds %q; give methods in upper case, as clients send them (POST, PATCH)", method)
+		}
+	}
 	if len(cfg.Namespace) > ccfg.MaxNamespaceBytes || !utf8.ValidString(cfg.Namespace) || strings.IndexFunc(cfg.Namespace, unicode.IsControl) >= 0 {
 		return nil, invalid("Config.Namespace %q must be valid UTF-8 without control characters, at most the coordinator's MaxNamespaceBytes (%d)", cfg.Namespace, ccfg.MaxNamespaceBytes)
 	}
@@ -259,36 +270,62 @@ type storedResponse struct {
 	// (base64 in the record's JSON).
 	Text string `json:"text,omitempty"`
 	Body []byte `json:"body,omitempty"`
-	// BodyOmitted is true when the body was longer than Config.MaxResponseBytes.
+	// BodyOmitted is true when the body was not stored: longer than
+	// Config.MaxResponseBytes, or the record's JSON with it longer than the coordinator's
+	// MaxValueBytes.
 	BodyOmitted bool `json:"body_omitted,omitempty"`
 }
 
 // errNotStored releases the key: the handler's response is not to be replayed.
 var errNotStored = errors.New("pgidemhttp: response not stored")
 
+// requestKeyContextKey carries the request's principal and Idempotency-Key to the handler.
+type requestKeyContextKey struct{}
+
+type requestKey struct{ principal, key string }
+
+// RequestKey returns the principal and the Idempotency-Key of the request whose handler
+// runs with ctx under a [Middleware]; ok is false outside one. The key is the client's
+// own, as parsed from the field; [pgidem.KeyFromContext] returns the record's key instead
+// ([RecordKey], which holds the principal). To pass an idempotency key on to another
+// service, derive it from these (say, a hash of both) rather than sending the principal.
+func RequestKey(ctx context.Context) (principal, key string, ok bool) {
+	rk, ok := ctx.Value(requestKeyContextKey{}).(requestKey)
+	return rk.principal, rk.key, ok
+}
+
 // Handler wraps next. For a request whose method is in [Config.Methods] and that carries
 // an Idempotency-Key field:
 //   - the first request with a key runs next; its response streams to the client as usual
 //     and, when [Config.Store] accepts its status, is stored (status, body, the headers in
-//     [Config.ReplayHeaders]) for [Config.TTL];
+//     [Config.ReplayHeaders]) for [Config.TTL]. A handler that returns without writing
+//     answers 200 (net/http's rule), and that is stored too: a handler that gives up
+//     (its client went away) without an answer to replay should write an error status or
+//     panic with [http.ErrAbortHandler];
 //   - a retry with the key and the same fingerprint gets the stored response, marked
 //     Idempotent-Replayed: true, and next does not run;
 //   - a retry with a different fingerprint (another body, path or method): 422;
 //   - a retry while the first is still running: 409 with Retry-After in seconds (or a
 //     wait, [Config.InFlight]);
-//   - a response not stored (5xx, 429, a panic) releases the key: a retry runs next again.
+//   - a response not stored (5xx, 429, a panic, a hijacked connection, 101 Switching
+//     Protocols) releases the key: a retry runs next again.
 //
 // Requests the middleware refuses never reach next and are answered with problem details
 // (RFC 9457, Content-Type application/problem+json; [Problem]): a missing key when
-// [Config.Required] (400), an invalid key (400), a caller [Config.Principal] cannot
-// identify (401), a body over [Config.MaxRequestBytes] (413), or a store that cannot be
-// reached (503: the request is not run unprotected, unless the coordinator opted into
-// [pgidem.Config.FailOpen]). next runs with the request's body already read into memory and
-// a context that carries the key ([pgidem.KeyFromContext]) and is cancelled with cause
-// [pgidem.ErrLeaseLost] if another request took the key over.
+// [Config.Required] (400), an invalid key (400), a body over [Config.MaxRequestBytes] (413),
+// a caller [Config.Principal] cannot identify (401), or a store that cannot be reached
+// (503: the request is not run unprotected, unless the coordinator opted into
+// [pgidem.Config.FailOpen]). The body is read before Principal is called; Principal and
+// next may both read it, from memory. next runs with a context that carries the key
+// ([RequestKey]; [pgidem.KeyFromContext] gives the record's) and that is cancelled with
+// cause [pgidem.ErrLeaseLost] when the record's lease cannot be kept (the store is
+// unreachable, or another request took the key over). When next returns without writing
+// and its response could not be stored, the middleware answers for it: 409 with
+// Retry-After when the key was taken over, else 503.
 //
-// The response writer given to next supports [http.ResponseController] (Flush and what
-// the server's writer supports); a connection next hijacks is not recorded.
+// The response writer given to next supports [http.ResponseController] and the
+// interfaces it unwraps to (Flush, Hijack, deadlines) as far as the server's writer does.
+// Safe for concurrent use.
 func (m *Middleware) Handler(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !m.methods[r.Method] {
@@ -319,52 +356,64 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.problem(w, http.StatusBadRequest, "idempotency_key_invalid", "Idempotency-Key is invalid", capitalize(err.Error())+".", nil)
 		return
 	}
+	body, ok := m.readBody(w, r)
+	if !ok {
+		return
+	}
 	principal, err := m.config.Principal(r)
+	r.Body = io.NopCloser(bytes.NewReader(body)) // again, whether Principal read it or not
 	if err != nil || principal == "" {
 		m.problem(w, http.StatusUnauthorized, "principal_unknown", "Caller not identified",
 			"The caller of this request could not be identified, so its Idempotency-Key has no scope.", nil)
 		return
 	}
-	body, err := io.ReadAll(io.LimitReader(r.Body, m.config.MaxRequestBytes+1))
-	if err != nil {
-		m.problem(w, http.StatusBadRequest, "request_body_unreadable", "Request body unreadable",
-			"The request body could not be read.", nil)
+	if !utf8.ValidString(principal) || strings.IndexFunc(principal, unicode.IsControl) >= 0 {
+		m.config.Logger.ErrorContext(r.Context(), "pgidemhttp: Config.Principal returned a principal with invalid UTF-8 or a control character, which a record key cannot hold",
+			slog.String("principal", strconv.Quote(principal)))
+		m.problem(w, http.StatusInternalServerError, "internal_error", "Internal error",
+			"The request's Idempotency-Key could not be handled.", nil)
 		return
 	}
-	if int64(len(body)) > m.config.MaxRequestBytes {
-		m.problem(w, http.StatusRequestEntityTooLarge, "request_too_large", "Request body too large",
-			fmt.Sprintf("A request with an Idempotency-Key may carry at most %d bytes.", m.config.MaxRequestBytes), nil)
-		return
-	}
-	r.Body = io.NopCloser(bytes.NewReader(body))
-	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
 	opts := &pgidem.DoOpts{
 		Fingerprint: m.config.Fingerprint(r, body),
 		InFlight:    m.config.InFlight,
 		WaitTimeout: m.config.WaitTimeout,
 	}
+	recordKey := RecordKey(principal, key)
+	ctx := context.WithValue(r.Context(), requestKeyContextKey{}, requestKey{principal: principal, key: key})
 
-	ran := false
-	res, err := pgidem.DoResult(r.Context(), m.coord, m.config.Namespace, RecordKey(principal, key), m.config.TTL, opts,
-		func(ctx context.Context) (storedResponse, error) {
-			ran = true
-			rec := &recorder{ResponseWriter: w, max: m.config.MaxResponseBytes, replay: m.replay}
+	var rec *recorder
+	res, err := pgidem.DoResult(ctx, m.coord, m.config.Namespace, recordKey, m.config.TTL, opts,
+		func(ctx context.Context) (json.RawMessage, error) {
+			rec = &recorder{ResponseWriter: w, max: m.config.MaxResponseBytes, replay: m.replay}
 			next.ServeHTTP(rec, r.WithContext(ctx))
-			if !rec.wrote && ctx.Err() != nil {
-				return storedResponse{}, errNotStored // the handler gave up on a cancelled request
+			if rec.hijacked || rec.switched {
+				return nil, errNotStored
 			}
 			rec.finish()
 			if !m.config.Store(rec.stored.Status) {
-				return storedResponse{}, errNotStored
+				return nil, errNotStored
 			}
-			return rec.stored, nil
+			return m.encode(ctx, rec, recordKey)
 		})
-	if ran {
-		// The client has its response; what is left is whether the record holds it.
-		if err != nil && !errors.Is(err, errNotStored) {
-			m.config.Logger.ErrorContext(r.Context(), "pgidemhttp: the response was sent but not stored; a retry with its key may run the handler again or find no response",
-				slog.String("namespace", m.config.Namespace), slog.String("key", RecordKey(principal, key)), slog.String("error", err.Error()))
+	if rec != nil {
+		// next ran: the client has its response, unless next wrote nothing.
+		if err == nil || errors.Is(err, errNotStored) {
+			return
 		}
+		m.config.Logger.ErrorContext(ctx, "pgidemhttp: the handler ran but its response was not stored; a retry with its key may run the handler again",
+			slog.String("namespace", m.config.Namespace), slog.String("key", recordKey), slog.String("error", err.Error()))
+		if rec.wrote || rec.hijacked || rec.switched || r.Context().Err() != nil {
+			return
+		}
+		if errors.Is(err, pgidem.ErrLeaseLost) {
+			m.problem(w, http.StatusConflict, "idempotency_key_in_progress", "Idempotency-Key taken over",
+				"Another request with this Idempotency-Key took it over while this one ran; retry to get its outcome.",
+				http.Header{"Retry-After": {"1"}})
+			return
+		}
+		m.problem(w, http.StatusServiceUnavailable, "store_unavailable", "Outcome not recorded",
+			"The request's outcome could not be recorded; retry later.", http.Header{"Retry-After": {"1"}})
 		return
 	}
 	switch {
@@ -395,14 +444,76 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.problem(w, http.StatusInternalServerError, "response_not_stored", "Response not stored",
 			"A request with this Idempotency-Key was processed, but its response could not be stored for replay.", nil)
 	default:
-		m.config.Logger.ErrorContext(r.Context(), "pgidemhttp: unexpected error", slog.String("error", err.Error()))
+		m.config.Logger.ErrorContext(ctx, "pgidemhttp: unexpected error", slog.String("error", err.Error()))
 		m.problem(w, http.StatusInternalServerError, "internal_error", "Internal error",
 			"The request's Idempotency-Key could not be handled.", nil)
 	}
 }
 
+// readBody reads the request body whole, within Config.MaxRequestBytes, and puts it back
+// for the handler. It answers the request and returns false when it cannot.
+func (m *Middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
+	limit := m.config.MaxRequestBytes
+	tooLarge := func() ([]byte, bool) {
+		m.problem(w, http.StatusRequestEntityTooLarge, "request_too_large", "Request body too large",
+			fmt.Sprintf("A request with an Idempotency-Key may carry at most %d bytes.", limit), nil)
+		return nil, false
+	}
+	if r.ContentLength > limit {
+		return tooLarge()
+	}
+	read := limit
+	if read < math.MaxInt64 {
+		read++ // one byte more tells a body at the limit from a longer one
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, read))
+	if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
+		limit = min(limit, mbe.Limit)
+		return tooLarge()
+	}
+	if err != nil {
+		m.problem(w, http.StatusBadRequest, "request_body_unreadable", "Request body unreadable",
+			"The request body could not be read.", nil)
+		return nil, false
+	}
+	if int64(len(body)) > limit {
+		return tooLarge()
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+	return body, true
+}
+
+// encode returns the record's JSON for a recorded response. When it would be longer than
+// the coordinator's MaxValueBytes (encoding/json writes some characters as six-byte
+// escapes), the body is left out, so the status and headers are still replayed.
+func (m *Middleware) encode(ctx context.Context, rec *recorder, recordKey string) (json.RawMessage, error) {
+	b, err := json.Marshal(rec.stored)
+	if err == nil && len(b) <= m.coord.Config().MaxValueBytes {
+		return b, nil
+	}
+	if !rec.stored.BodyOmitted {
+		m.config.Logger.WarnContext(ctx, "pgidemhttp: response stored without its body, which is too long for the record",
+			slog.String("namespace", m.config.Namespace), slog.String("key", recordKey), slog.Int("json_bytes", len(b)))
+		rec.omitBody()
+		if b, err = json.Marshal(rec.stored); err == nil && len(b) <= m.coord.Config().MaxValueBytes {
+			return b, nil
+		}
+	}
+	if err == nil {
+		err = fmt.Errorf("the stored headers take %d bytes of JSON, more than the coordinator's MaxValueBytes", len(b))
+	}
+	return nil, fmt.Errorf("pgidemhttp: %w: %w", pgidem.ErrResultNotStorable, err)
+}
+
 // writeReplay sends a stored response.
-func (m *Middleware) writeReplay(w http.ResponseWriter, s storedResponse) {
+func (m *Middleware) writeReplay(w http.ResponseWriter, raw json.RawMessage) {
+	var s storedResponse
+	if err := json.Unmarshal(raw, &s); err != nil || s.Status < 200 || s.Status > 999 {
+		m.problem(w, http.StatusInternalServerError, "response_not_stored", "Response not stored",
+			"A request with this Idempotency-Key was processed, but its stored response cannot be read.", nil)
+		return
+	}
 	h := w.Header()
 	for name, values := range s.Header {
 		h[name] = values
@@ -424,36 +535,52 @@ type recorder struct {
 	max    int
 	replay []string
 
-	wrote  bool
-	stored storedResponse
-	body   bytes.Buffer
+	wrote    bool // a final status was sent
+	hijacked bool // the handler took the connection over
+	switched bool // 101 Switching Protocols: the connection is another protocol's now
+	stored   storedResponse
+	body     bytes.Buffer
 }
 
 func (rec *recorder) WriteHeader(code int) {
-	if !rec.wrote && code >= 200 {
-		rec.wrote = true
-		rec.stored.Status = code
-		h := rec.ResponseWriter.Header()
-		for _, name := range rec.replay {
-			if values, ok := h[name]; ok {
-				if rec.stored.Header == nil {
-					rec.stored.Header = http.Header{}
-				}
-				rec.stored.Header[name] = slices.Clone(values)
-			}
+	if !rec.wrote && !rec.hijacked {
+		switch {
+		case code == http.StatusSwitchingProtocols:
+			rec.switched = true
+		case code >= 200:
+			rec.wrote = true
+			rec.capture(code)
 		}
 	}
 	rec.ResponseWriter.WriteHeader(code)
 }
 
+// capture records the status and the replayable headers as they are when the status is
+// sent. A header value that is not UTF-8 (obs-text) cannot be stored in JSON as it is and
+// is left out.
+func (rec *recorder) capture(code int) {
+	rec.stored.Status = code
+	h := rec.ResponseWriter.Header()
+	for _, name := range rec.replay {
+		for _, v := range h[name] {
+			if !utf8.ValidString(v) {
+				continue
+			}
+			if rec.stored.Header == nil {
+				rec.stored.Header = http.Header{}
+			}
+			rec.stored.Header[name] = append(rec.stored.Header[name], v)
+		}
+	}
+}
+
 func (rec *recorder) Write(p []byte) (int, error) {
-	if !rec.wrote {
+	if !rec.wrote && !rec.switched && !rec.hijacked {
 		rec.WriteHeader(http.StatusOK)
 	}
 	if !rec.stored.BodyOmitted {
 		if rec.body.Len()+len(p) > rec.max {
-			rec.stored.BodyOmitted = true
-			rec.body = bytes.Buffer{}
+			rec.omitBody()
 		} else {
 			rec.body.Write(p)
 		}
@@ -463,7 +590,7 @@ func (rec *recorder) Write(p []byte) (int, error) {
 
 // FlushError sends buffered data to the client ([http.ResponseController]).
 func (rec *recorder) FlushError() error {
-	if !rec.wrote {
+	if !rec.wrote && !rec.switched && !rec.hijacked {
 		rec.WriteHeader(http.StatusOK)
 	}
 	return http.NewResponseController(rec.ResponseWriter).Flush()
@@ -472,17 +599,38 @@ func (rec *recorder) FlushError() error {
 // Flush implements [http.Flusher] for handlers that assert it.
 func (rec *recorder) Flush() { _ = rec.FlushError() }
 
+// Hijack hands the connection to the handler ([http.Hijacker]); the response is then not
+// recorded and the key is released when the handler returns.
+func (rec *recorder) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	conn, rw, err := http.NewResponseController(rec.ResponseWriter).Hijack()
+	if err == nil {
+		rec.hijacked = true
+	}
+	return conn, rw, err
+}
+
 // Unwrap returns the server's writer, for [http.ResponseController].
 func (rec *recorder) Unwrap() http.ResponseWriter { return rec.ResponseWriter }
 
-// finish completes the stored response once the handler returned.
+// omitBody drops the body, and the headers that describe it, from the stored response.
+func (rec *recorder) omitBody() {
+	rec.stored.BodyOmitted = true
+	rec.stored.Text, rec.stored.Body = "", nil
+	rec.body = bytes.Buffer{}
+	for name := range rec.stored.Header {
+		if name != "Location" && name != "Link" {
+			delete(rec.stored.Header, name)
+		}
+	}
+}
+
+// finish completes the stored response once the handler returned. A handler that wrote
+// nothing answers 200; net/http sends it after the handler returns.
 func (rec *recorder) finish() {
 	if !rec.wrote {
-		rec.WriteHeader(http.StatusOK)
+		rec.capture(http.StatusOK) // not sent yet: the middleware may still answer instead
 	}
 	if rec.stored.BodyOmitted {
-		delete(rec.stored.Header, "Content-Type")
-		delete(rec.stored.Header, "Content-Encoding")
 		return
 	}
 	b := rec.body.Bytes()

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -398,29 +399,120 @@ func TestPanicReleases(t *testing.T) {
 	require.Equal(t, int64(2), runs.Load())
 }
 
-func TestClientGoneIsNotStored(t *testing.T) {
+// A handler that returns without writing has answered 200 (net/http's rule), even when its
+// client went away: its effect may be done, so the answer is stored and the client's retry
+// replays it. A handler that gives up says so with http.ErrAbortHandler.
+func TestClientGone(t *testing.T) {
 	t.Parallel()
-	b := setup(t, nil)
-	var runs atomic.Int64
+
+	for _, abort := range []bool{false, true} {
+		t.Run(map[bool]string{false: "ReturnWithoutWriting", true: "ErrAbortHandler"}[abort], func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			var runs atomic.Int64
+			h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if runs.Add(1) == 1 {
+					<-r.Context().Done() // the client goes away
+					if abort {
+						panic(http.ErrAbortHandler)
+					}
+					return // the effect was done; no answer written
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+
+			ctx, cancel := context.WithCancel(context.Background())
+			r := request("POST", "/orders", "alice", `"k"`, "x").WithContext(ctx)
+			go func() {
+				for runs.Load() == 0 {
+					time.Sleep(time.Millisecond)
+				}
+				cancel()
+			}()
+			if abort {
+				require.PanicsWithValue(t, http.ErrAbortHandler, func() { serve(h, r) })
+			} else {
+				serve(h, r)
+			}
+			retry := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+			if abort {
+				require.Equal(t, http.StatusCreated, retry.Code, "an aborted request is not stored: the retry runs")
+				require.Equal(t, int64(2), runs.Load())
+			} else {
+				require.Equal(t, http.StatusOK, retry.Code)
+				require.Equal(t, "true", retry.Header().Get(pgidemhttp.HeaderReplayed))
+				require.Equal(t, int64(1), runs.Load(), "the effect is not repeated for the client's retry")
+			}
+		})
+	}
+}
+
+// A handler whose key is taken over while it runs (its lease could not be kept) and that
+// then returns without writing: the middleware answers for it instead of an empty 200.
+func TestLeaseLostAnswersConflict(t *testing.T) {
+	t.Parallel()
+	b := setup(t, &pgidem.Config{Lease: 300 * time.Millisecond})
+	var cause error
 	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if runs.Add(1) == 1 {
-			<-r.Context().Done() // the client goes away; the handler gives up without answering
-			return
-		}
-		w.WriteHeader(http.StatusCreated)
+		_, err := b.db.Pool.Exec(r.Context(), `UPDATE pgidem_record SET owner = gen_random_uuid()`) // a takeover
+		require.NoError(t, err)
+		<-r.Context().Done()
+		cause = context.Cause(r.Context())
 	}))
 
-	ctx, cancel := context.WithCancel(context.Background())
-	r := request("POST", "/orders", "alice", `"k"`, "x").WithContext(ctx)
-	go func() {
-		for runs.Load() == 0 {
-			time.Sleep(time.Millisecond)
-		}
-		cancel()
-	}()
-	serve(h, r)
-	require.Equal(t, http.StatusCreated, serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Code, "the abandoned request was not stored")
-	require.Equal(t, int64(2), runs.Load())
+	w := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	require.ErrorIs(t, cause, pgidem.ErrLeaseLost)
+	requireProblem(t, w, http.StatusConflict, "idempotency_key_in_progress")
+	require.Equal(t, "1", w.Header().Get("Retry-After"))
+}
+
+func TestHijackedConnectionIsNotRecorded(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := b.calls.Add(1)
+		hj, ok := w.(http.Hijacker)
+		require.True(t, ok, "the writer offers Hijack")
+		conn, rw, err := hj.Hijack()
+		require.NoError(t, err)
+		defer conn.Close()
+		_, _ = fmt.Fprintf(rw, "HTTP/1.1 202 Accepted\r\nContent-Length: 5\r\nConnection: close\r\n\r\nrun %d", n)
+		_ = rw.Flush()
+	}))
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+
+	for i := 1; i <= 2; i++ {
+		req, err := http.NewRequest("POST", srv.URL+"/upgrade", strings.NewReader("x"))
+		require.NoError(t, err)
+		req.Header.Set(principalHeader, "alice")
+		req.Header.Set(pgidemhttp.HeaderKey, `"h"`)
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		require.NoError(t, resp.Body.Close())
+		require.Equal(t, http.StatusAccepted, resp.StatusCode)
+		require.Equal(t, fmt.Sprintf("run %d", i), string(body), "a hijacked response is not replayed")
+		// The client has the response before the handler returns: wait for the release.
+		require.Eventually(t, func() bool {
+			_, err := b.coord.Lookup(context.Background(), pgidemhttp.NamespaceDefault, pgidemhttp.RecordKey("alice", "h"))
+			return errors.Is(err, pgidem.ErrNotFound)
+		}, time.Minute, 10*time.Millisecond, "the key is released")
+	}
+}
+
+func TestSwitchingProtocolsIsNotRecorded(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b.calls.Add(1)
+		w.WriteHeader(http.StatusSwitchingProtocols)
+	}))
+	for range 2 {
+		require.Equal(t, http.StatusSwitchingProtocols, serve(h, request("POST", "/ws", "alice", `"k"`, "x")).Code)
+	}
+	require.Equal(t, int64(2), b.calls.Load())
 }
 
 func TestOtherMethodsPassThrough(t *testing.T) {
@@ -446,11 +538,41 @@ func TestRequestTooLarge(t *testing.T) {
 	h := b.handler(t, &pgidemhttp.Config{MaxRequestBytes: 16}, b.createOrder())
 
 	requireProblem(t, serve(h, request("POST", "/orders", "alice", `"k"`, strings.Repeat("x", 17))), http.StatusRequestEntityTooLarge, "request_too_large")
+	unknownLength := request("POST", "/orders", "alice", `"k"`, "")
+	unknownLength.Body, unknownLength.ContentLength = io.NopCloser(strings.NewReader(strings.Repeat("x", 17))), -1
+	requireProblem(t, serve(h, unknownLength), http.StatusRequestEntityTooLarge, "request_too_large")
+	// A limit set by an outer http.MaxBytesReader is a 413 too.
+	outer := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		r.Body = http.MaxBytesReader(w, r.Body, 4)
+		h.ServeHTTP(w, r)
+	})
+	requireProblem(t, serve(outer, request("POST", "/orders", "alice", `"k"`, "0123456789")), http.StatusRequestEntityTooLarge, "request_too_large")
 	require.Equal(t, int64(0), b.calls.Load())
 	// At the limit the handler reads the whole body.
 	w := serve(h, request("POST", "/orders", "alice", `"k"`, strings.Repeat("y", 16)))
 	require.Equal(t, http.StatusCreated, w.Code)
 	require.Contains(t, w.Body.String(), strings.Repeat("y", 16))
+
+	// No limit at all.
+	unlimited := b.handler(t, &pgidemhttp.Config{MaxRequestBytes: math.MaxInt64}, b.createOrder())
+	w = serve(unlimited, request("POST", "/orders", "alice", `"u"`, "whole body"))
+	require.Equal(t, http.StatusCreated, w.Code)
+	require.Contains(t, w.Body.String(), "whole body")
+}
+
+// Principal may read the body (to check a signature); the handler still reads all of it.
+func TestPrincipalReadsBody(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, &pgidemhttp.Config{Principal: func(r *http.Request) (string, error) {
+		body, err := io.ReadAll(r.Body)
+		return "signed:" + strconv.Itoa(len(body)), err
+	}}, b.createOrder())
+	w := serve(h, request("POST", "/orders", "alice", `"k"`, "payload"))
+	require.Equal(t, http.StatusCreated, w.Code)
+	require.Contains(t, w.Body.String(), `"request":"payload"`)
+	_, err := b.coord.Lookup(context.Background(), pgidemhttp.NamespaceDefault, pgidemhttp.RecordKey("signed:7", "k"))
+	require.NoError(t, err)
 }
 
 func TestStoreUnavailable(t *testing.T) {
@@ -489,6 +611,48 @@ func TestLargeResponseStoredWithoutBody(t *testing.T) {
 	require.Equal(t, int64(1), runs.Load())
 }
 
+// A body within MaxResponseBytes whose JSON is longer than the coordinator's MaxValueBytes
+// (each '<' is a six-byte escape) is stored without it, like a long one, not lost whole.
+func TestResponseTooLongForTheRecord(t *testing.T) {
+	t.Parallel()
+	b := setup(t, &pgidem.Config{MaxValueBytes: 4096})
+	h := b.handler(t, &pgidemhttp.Config{MaxResponseBytes: 3000}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b.calls.Add(1)
+		w.Header().Set("Location", "/pages/1")
+		w.Header().Set("Content-Type", "text/html")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, strings.Repeat("<", 1000))
+	}))
+	require.Equal(t, 1000, serve(h, request("POST", "/pages", "alice", `"k"`, "x")).Body.Len())
+	replay := serve(h, request("POST", "/pages", "alice", `"k"`, "x"))
+	require.Equal(t, http.StatusCreated, replay.Code)
+	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, "/pages/1", replay.Header().Get("Location"))
+	require.Empty(t, replay.Body.String())
+	require.Equal(t, int64(1), b.calls.Load())
+}
+
+// A header value that is not UTF-8 (obs-text, which HTTP allows) cannot be stored in JSON:
+// it is left out, and the rest of the response is stored.
+func TestNonUTF8HeaderLeftOut(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b.calls.Add(1)
+		w.Header().Set("Location", "/files/caf\xe9")
+		w.Header().Set("Content-Type", "text/plain")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, "ok")
+	}))
+	require.Equal(t, "/files/caf\xe9", serve(h, request("POST", "/files", "alice", `"k"`, "x")).Header().Get("Location"))
+	replay := serve(h, request("POST", "/files", "alice", `"k"`, "x"))
+	require.Equal(t, http.StatusCreated, replay.Code)
+	require.Equal(t, "ok", replay.Body.String())
+	require.Equal(t, "text/plain", replay.Header().Get("Content-Type"))
+	require.Empty(t, replay.Header().Get("Location"))
+	require.Equal(t, int64(1), b.calls.Load())
+}
+
 func TestBinaryBodyReplaysExactly(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -508,13 +672,30 @@ func TestBinaryBodyReplaysExactly(t *testing.T) {
 func TestHandlerSeesKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	var ns, key string
+	var ns, recordKey, principal, key string
+	var ok bool
 	h := b.handler(t, &pgidemhttp.Config{Namespace: "api"}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		ns, key, _ = pgidem.KeyFromContext(r.Context())
+		ns, recordKey, _ = pgidem.KeyFromContext(r.Context())
+		principal, key, ok = pgidemhttp.RequestKey(r.Context())
 	}))
 	require.Equal(t, http.StatusOK, serve(h, request("POST", "/orders", "alice", `"k:1"`, "x")).Code)
 	require.Equal(t, "api", ns)
-	require.Equal(t, "5:alice:k:1", key)
+	require.Equal(t, "5:alice:k:1", recordKey)
+	require.True(t, ok)
+	require.Equal(t, "alice", principal)
+	require.Equal(t, "k:1", key)
+	_, _, ok = pgidemhttp.RequestKey(context.Background())
+	require.False(t, ok)
+}
+
+// A principal a record key cannot hold is the server's fault: 500, not the client's 400.
+func TestUnstorablePrincipal(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, &pgidemhttp.Config{Principal: func(*http.Request) (string, error) { return "bad\x00user", nil }}, b.createOrder())
+	w := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	require.Equal(t, http.StatusInternalServerError, w.Code)
+	require.Equal(t, int64(0), b.calls.Load())
 }
 
 // Over a real connection: a handler that flushes mid-response streams it, and the retry
@@ -573,6 +754,8 @@ func TestNewValidatesConfig(t *testing.T) {
 		{pgidemhttp.Config{Principal: principal, MaxRequestBytes: -1}, "Config.MaxRequestBytes"},
 		{pgidemhttp.Config{Principal: principal, MaxResponseBytes: -1}, "Config.MaxResponseBytes"},
 		{pgidemhttp.Config{Principal: principal, Methods: []string{}}, "Config.Methods"},
+		{pgidemhttp.Config{Principal: principal, Methods: []string{"post"}}, "Config.Methods"},
+		{pgidemhttp.Config{Principal: principal, Methods: []string{""}}, "Config.Methods"},
 		{pgidemhttp.Config{Principal: principal, Namespace: strings.Repeat("n", 65)}, "Config.Namespace"},
 		{pgidemhttp.Config{Principal: principal, Namespace: "a\x00b"}, "Config.Namespace"},
 	} {

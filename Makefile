@@ -26,11 +26,12 @@ lint:
 	$(GO) vet ./...
 	$(GO) run $(STATICCHECK) ./...
 
-## demo: the lab's three redelivery scenes, the Kafka consumer and the River worker, on real Postgres.
+## demo: the lab's three redelivery scenes, the Kafka consumer, the River worker and the HTTP API, on real Postgres.
 demo:
 	$(GO) run ./examples/lab
 	$(GO) run ./examples/consumer
 	$(GO) run ./examples/riverworker
+	$(GO) run ./examples/httpapi
 
 ## bench: pgidem's benchmarks beside their raw-SQL baselines (see docs/performance.md).
 bench:

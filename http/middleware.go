@@ -46,6 +46,8 @@ const (
 	MaxRequestBytesDefault = 1 << 20
 	// MaxResponseBytesDefault is the default [Config.MaxResponseBytes]: 1 MiB.
 	MaxResponseBytesDefault = 1 << 20
+	// RetryAfterMaxDefault is the default [Config.RetryAfterMax]: 5 seconds.
+	RetryAfterMaxDefault = 5 * time.Second
 	// ProblemTypeDefault is the default [Config.ProblemType] (RFC 9457, section 4.2.1).
 	ProblemTypeDefault = "about:blank"
 )
@@ -155,6 +157,15 @@ type Config struct {
 	// coordinator's [pgidem.Config.WaitTimeout].
 	WaitTimeout time.Duration
 
+	// RetryAfterMax bounds the Retry-After of a 409 answered while the first request is
+	// in progress. The hint is the time until the first request's lease ends (when a retry
+	// could take over if its server died), at least 1 s, at most this: a live server
+	// renews the lease, so the lease says nothing about when the request will finish, and
+	// a client that waits 30 s for a request that takes 200 ms waits for nothing (the River
+	// middleware bounds its snooze for the same reason). Whole seconds (RFC 9110, 10.2.3).
+	// Default [RetryAfterMaxDefault] (5 s).
+	RetryAfterMax time.Duration
+
 	// ProblemType is the "type" member of the problem details (RFC 9457) the middleware
 	// answers errors with: a URI that documents them for your API's clients. Default
 	// [ProblemTypeDefault] ("about:blank", with each response's title its status text).
@@ -201,6 +212,7 @@ func New(coord *pgidem.Coordinator, config *Config) (*Middleware, error) {
 	cfg.MaxResponseBytes = cmp.Or(cfg.MaxResponseBytes, MaxResponseBytesDefault)
 	cfg.InFlight = cmp.Or(cfg.InFlight, pgidem.InFlightRaise)
 	cfg.ProblemType = cmp.Or(cfg.ProblemType, ProblemTypeDefault)
+	cfg.RetryAfterMax = cmp.Or(cfg.RetryAfterMax, RetryAfterMaxDefault)
 	if cfg.Methods == nil {
 		cfg.Methods = []string{http.MethodPost, http.MethodPatch}
 	}
@@ -226,6 +238,8 @@ func New(coord *pgidem.Coordinator, config *Config) (*Middleware, error) {
 		return nil, invalid("Config.InFlight %d is not a known policy", cfg.InFlight)
 	case cfg.WaitTimeout < 0:
 		return nil, invalid("Config.WaitTimeout %s must not be negative", cfg.WaitTimeout)
+	case cfg.RetryAfterMax < time.Second:
+		return nil, invalid("Config.RetryAfterMax %s is below one second, the unit of Retry-After", cfg.RetryAfterMax)
 	case cfg.MaxRequestBytes < 0:
 		return nil, invalid("Config.MaxRequestBytes %d must not be negative", cfg.MaxRequestBytes)
 	case cfg.MaxResponseBytes < 0:
@@ -425,7 +439,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	case errors.Is(err, pgidem.ErrInProgress):
 		retry := time.Second
 		if ipe := (*pgidem.InProgressError)(nil); errors.As(err, &ipe) {
-			retry = max(ipe.RetryAfter, time.Second)
+			retry = min(max(ipe.RetryAfter, time.Second), m.config.RetryAfterMax)
 		}
 		m.problem(w, http.StatusConflict, "idempotency_key_in_progress", "A request with this Idempotency-Key is in progress",
 			"A request with this Idempotency-Key is still being processed; retry later.",

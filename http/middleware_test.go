@@ -197,8 +197,7 @@ func TestInProgress(t *testing.T) {
 		requireProblem(t, w, http.StatusConflict, "idempotency_key_in_progress")
 		retry, err := strconv.Atoi(w.Header().Get("Retry-After"))
 		require.NoError(t, err)
-		require.GreaterOrEqual(t, retry, 1)
-		require.LessOrEqual(t, retry, int(pgidem.LeaseDefault/time.Second))
+		require.Equal(t, 5, retry, "the holder's 30 s lease, bounded by RetryAfterMax")
 
 		close(release)
 		first := <-done
@@ -751,6 +750,7 @@ func TestNewValidatesConfig(t *testing.T) {
 		{pgidemhttp.Config{Principal: principal, TTL: time.Second}, "Config.TTL"},
 		{pgidemhttp.Config{Principal: principal, InFlight: 9}, "Config.InFlight"},
 		{pgidemhttp.Config{Principal: principal, WaitTimeout: -1}, "Config.WaitTimeout"},
+		{pgidemhttp.Config{Principal: principal, RetryAfterMax: time.Millisecond}, "Config.RetryAfterMax"},
 		{pgidemhttp.Config{Principal: principal, MaxRequestBytes: -1}, "Config.MaxRequestBytes"},
 		{pgidemhttp.Config{Principal: principal, MaxResponseBytes: -1}, "Config.MaxResponseBytes"},
 		{pgidemhttp.Config{Principal: principal, Methods: []string{}}, "Config.Methods"},

@@ -33,8 +33,10 @@
 //     ([Config.ReplayHeaders]), with Idempotent-Replayed: true.
 //
 // Error responses are problem details (RFC 9457, [Problem]). Keys are scoped to the caller
-// ([Config.Principal]): the record's key is [RecordKey] of the principal and the
-// Idempotency-Key, so one caller can never receive another's response.
+// ([Config.Principal]): the record's key is [RecordKey], a digest of the principal and the
+// Idempotency-Key, so one caller can never receive another's response (and the record does
+// not hold the principal). Nesting one middleware in another is harmless: the inner one
+// passes.
 //
 // Server errors (5xx), 429 and panics are not stored by default ([Config.Store]): the key
 // is released, so a retry runs the handler again. A store that cannot be reached before

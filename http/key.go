@@ -1,6 +1,8 @@
 package pgidemhttp
 
 import (
+	"crypto/sha256"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"strconv"
@@ -116,11 +118,19 @@ func describeByte(c byte) string {
 	return fmt.Sprintf("byte 0x%02x", c)
 }
 
+// recordKeyPrefixLen is the length of a record key's principal part: 22 characters of
+// digest and a colon.
+const recordKeyPrefixLen = 23
+
 // RecordKey returns the key a [Middleware] stores a request's record under, in the
-// namespace of its [Config.Namespace]: the caller's principal and its Idempotency-Key,
-// joined so that no pair of them can collide. It is the principal's length in bytes, a
-// colon, the principal, a colon and the key, e.g. "7:user-42:8e03978e". Use it to find a
-// request's record with [pgidem.Coordinator.Lookup] or in SQL.
+// namespace of its [Config.Namespace]: a digest of the caller's principal, a colon, and
+// the Idempotency-Key, e.g. "hJh8GBdyoSfsMEPkPNfIgQ:8e03978e-40d5-43e8-bc93-6894a57f9324".
+// The digest (the first 16 bytes of the principal's SHA-256, base64url without padding)
+// has a fixed length, so a principal of any length or content leaves the same room for
+// the key, no two principals' keys can meet, and the principal itself (an e-mail address,
+// a token subject) is not written to the record. Use it to find a request's record with
+// [pgidem.Coordinator.Lookup] or in SQL.
 func RecordKey(principal, key string) string {
-	return strconv.Itoa(len(principal)) + ":" + principal + ":" + key
+	sum := sha256.Sum256([]byte(principal))
+	return base64.RawURLEncoding.EncodeToString(sum[:16]) + ":" + key
 }

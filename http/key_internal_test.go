@@ -1,6 +1,7 @@
 package pgidemhttp
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -59,11 +60,15 @@ func TestParseKey(t *testing.T) {
 	}
 }
 
-func TestRecordKeyIsUnambiguous(t *testing.T) {
+func TestRecordKey(t *testing.T) {
 	t.Parallel()
 
-	require.Equal(t, "7:user-42:k1", RecordKey("user-42", "k1"))
-	// A principal that ends like a key cannot produce another pair's record key.
+	k := RecordKey("user-42", "k1")
+	require.Len(t, k, recordKeyPrefixLen+len("k1"))
+	require.Equal(t, ":k1", k[recordKeyPrefixLen-1:])
+	require.NotContains(t, k, "user-42", "the principal is not written to the record")
+	require.Equal(t, k, RecordKey("user-42", "k1"), "stable")
+	require.NotEqual(t, k, RecordKey("user-43", "k1"))
 	require.NotEqual(t, RecordKey("a:b", "c"), RecordKey("a", "b:c"))
-	require.NotEqual(t, RecordKey("1:a", "b"), RecordKey("1", "a:b"))
+	require.Len(t, RecordKey(strings.Repeat("p", 5000), "k"), recordKeyPrefixLen+1, "any principal takes the same room")
 }

@@ -53,8 +53,11 @@ const (
 )
 
 // PrincipalFunc returns the identity of the caller a request comes from: the
-// authenticated user, API client or tenant its idempotency keys belong to. An error, or an
-// empty principal, means the caller is not known; the middleware then answers 401.
+// authenticated user, API client or tenant its idempotency keys belong to. It is not
+// authentication: run the middleware behind it, so every request that reaches the
+// middleware has a caller. An error, or an empty principal, is therefore a server fault:
+// the middleware answers 500 (code "principal_unknown"), logs the error and does not run
+// the handler. Any string is a valid principal; records hold a digest of it ([RecordKey]).
 type PrincipalFunc func(r *http.Request) (string, error)
 
 // FingerprintFunc returns the fingerprint of a request: bytes that are equal for two
@@ -90,8 +93,9 @@ func FingerprintDefault(r *http.Request, body []byte) []byte {
 type Config struct {
 	// Principal returns the caller a request's key belongs to; keys are scoped to it, so
 	// one caller can never receive another's replayed response by sending the same key.
-	// Put the middleware behind authentication and return the authenticated identity.
-	// Required; a service with a single trusted client may return a constant.
+	// Put the middleware behind authentication and return the authenticated identity
+	// ([PrincipalFunc]). Required; a service with a single trusted client may return a
+	// constant.
 	Principal PrincipalFunc
 
 	// Namespace is the record namespace of every request (see [RecordKey] for the key).
@@ -131,13 +135,15 @@ type Config struct {
 
 	// ReplayHeaders are the response headers stored and replayed, as the draft asks for
 	// an allowlist; other headers (Set-Cookie, Date, tracing headers) are neither stored
-	// nor replayed. Default: Cache-Control, Content-Encoding, Content-Language,
-	// Content-Location, Content-Type, ETag, Expires, Last-Modified, Link, Location.
+	// nor replayed, nor are trailers. A value that is not UTF-8 or holds a NUL cannot be
+	// stored in the record's JSON and is left out. Default: Cache-Control,
+	// Content-Encoding, Content-Language, Content-Location, Content-Type, ETag, Expires,
+	// Last-Modified, Link, Location, Retry-After, Vary.
 	ReplayHeaders []string
 
 	// Store decides which responses are stored and replayed. Default [StoreDefault]
-	// (everything but 5xx and 429). A handler that panics is never stored, nor one that
-	// wrote nothing while its request's context was cancelled (the client went away).
+	// (everything but 5xx and 429). A handler that panics (with [http.ErrAbortHandler] too)
+	// is never stored; one that returns without writing has answered 200, which is.
 	Store StorePolicyFunc
 
 	// Fingerprint computes a request's fingerprint, stored with the record and compared
@@ -180,7 +186,7 @@ type Config struct {
 // defaultReplayHeaders is the default Config.ReplayHeaders.
 func defaultReplayHeaders() []string {
 	return []string{"Cache-Control", "Content-Encoding", "Content-Language", "Content-Location",
-		"Content-Type", "ETag", "Expires", "Last-Modified", "Link", "Location"}
+		"Content-Type", "ETag", "Expires", "Last-Modified", "Link", "Location", "Retry-After", "Vary"}
 }
 
 // Middleware makes POST and PATCH handlers idempotent under the Idempotency-Key request
@@ -192,6 +198,7 @@ type Middleware struct {
 	config  Config
 	methods map[string]bool
 	replay  []string // canonical header names
+	maxKey  int      // the longest Idempotency-Key, in bytes: what RecordKey leaves of the coordinator's MaxKeyBytes
 }
 
 // New returns a middleware that keeps its records through coord. config must set
@@ -249,14 +256,18 @@ func New(coord *pgidem.Coordinator, config *Config) (*Middleware, error) {
 	}
 	for _, method := range cfg.Methods {
 		// Methods are case-sensitive (RFC 9110, 9.1): "post" would never match a POST.
-		if method == "" || strings.IndexFunc(method, func(r rune) bool { return r < 'A' || r > 'Z' }) >= 0 {
-			return nil, invalid("Config.Methods holds %q; give methods in upper case, as clients send them (POST, PATCH)", method)
+		if !isToken(method) || strings.ToUpper(method) != method {
+			return nil, invalid("Config.Methods holds %q; give methods as clients send them, in upper case (POST, PATCH)", method)
 		}
+	}
+	if ccfg.MaxKeyBytes <= recordKeyPrefixLen {
+		return nil, invalid("the coordinator's MaxKeyBytes %d leaves no room for a key after the principal's %d bytes", ccfg.MaxKeyBytes, recordKeyPrefixLen)
 	}
 	if len(cfg.Namespace) > ccfg.MaxNamespaceBytes || !utf8.ValidString(cfg.Namespace) || strings.IndexFunc(cfg.Namespace, unicode.IsControl) >= 0 {
 		return nil, invalid("Config.Namespace %q must be valid UTF-8 without control characters, at most the coordinator's MaxNamespaceBytes (%d)", cfg.Namespace, ccfg.MaxNamespaceBytes)
 	}
-	m := &Middleware{coord: coord, config: cfg, methods: make(map[string]bool, len(cfg.Methods))}
+	cfg.Methods, cfg.ReplayHeaders = slices.Clone(cfg.Methods), slices.Clone(cfg.ReplayHeaders)
+	m := &Middleware{coord: coord, config: cfg, methods: make(map[string]bool, len(cfg.Methods)), maxKey: ccfg.MaxKeyBytes - recordKeyPrefixLen}
 	for _, method := range cfg.Methods {
 		m.methods[method] = true
 	}
@@ -274,7 +285,21 @@ func invalid(format string, args ...any) error {
 }
 
 // Config returns a copy of the middleware's configuration with defaults filled in.
-func (m *Middleware) Config() Config { return m.config }
+func (m *Middleware) Config() Config {
+	cfg := m.config
+	cfg.Methods, cfg.ReplayHeaders = slices.Clone(cfg.Methods), slices.Clone(cfg.ReplayHeaders)
+	return cfg
+}
+
+// isToken reports whether s is an HTTP token (RFC 9110, 5.6.2), as a method is.
+func isToken(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c <= ' ' || c >= 0x7f || strings.IndexByte(`"(),/:;<=>?@[\]{}`, c) >= 0 {
+			return false
+		}
+	}
+	return s != ""
+}
 
 // storedResponse is the record's result: what a replay sends.
 type storedResponse struct {
@@ -288,6 +313,9 @@ type storedResponse struct {
 	// Config.MaxResponseBytes, or the record's JSON with it longer than the coordinator's
 	// MaxValueBytes.
 	BodyOmitted bool `json:"body_omitted,omitempty"`
+	// HeaderOmitted is true when even the headers made the record too long: the status
+	// alone is replayed.
+	HeaderOmitted bool `json:"header_omitted,omitempty"`
 }
 
 // errNotStored releases the key: the handler's response is not to be replayed.
@@ -324,10 +352,17 @@ func RequestKey(ctx context.Context) (principal, key string, ok bool) {
 //   - a response not stored (5xx, 429, a panic, a hijacked connection, 101 Switching
 //     Protocols) releases the key: a retry runs next again.
 //
+// A response is stored as next sent it: the status, the bytes of the body the client was
+// sent (within [Config.MaxResponseBytes]) and the headers in [Config.ReplayHeaders] as
+// they were when the status was sent; not trailers. When the record's JSON would be too
+// long for the coordinator ([pgidem.Config.MaxValueBytes]), the body is left out, and then
+// the headers: a replay sends the status alone.
+//
 // Requests the middleware refuses never reach next and are answered with problem details
 // (RFC 9457, Content-Type application/problem+json; [Problem]): a missing key when
-// [Config.Required] (400), an invalid key (400), a body over [Config.MaxRequestBytes] (413),
-// a caller [Config.Principal] cannot identify (401), or a store that cannot be reached
+// [Config.Required] (400), an invalid key or one longer than the coordinator's
+// [pgidem.Config.MaxKeyBytes] less 23 bytes (400), a body over [Config.MaxRequestBytes]
+// (413), a caller [Config.Principal] cannot name (500), or a store that cannot be reached
 // (503: the request is not run unprotected, unless the coordinator opted into
 // [pgidem.Config.FailOpen]). The body is read before Principal is called; Principal and
 // next may both read it, from memory. next runs with a context that carries the key
@@ -335,10 +370,14 @@ func RequestKey(ctx context.Context) (principal, key string, ok bool) {
 // cause [pgidem.ErrLeaseLost] when the record's lease cannot be kept (the store is
 // unreachable, or another request took the key over). When next returns without writing
 // and its response could not be stored, the middleware answers for it: 409 with
-// Retry-After when the key was taken over, else 503.
+// Retry-After when the key was taken over, else 503 (code "outcome_unknown"). A request
+// that already runs under a Middleware (one wrapping another, on the same or another
+// route) passes to next: the outer one protects it.
 //
 // The response writer given to next supports [http.ResponseController] and the
-// interfaces it unwraps to (Flush, Hijack, deadlines) as far as the server's writer does.
+// interfaces it unwraps to (Flush, Hijack, deadlines) as far as the server's writer does;
+// it always has a Hijack method, which returns an error matching [http.ErrNotSupported]
+// when the server's writer cannot hijack (HTTP/2).
 // Safe for concurrent use.
 func (m *Middleware) Handler(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -351,6 +390,10 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	if _, _, nested := RequestKey(r.Context()); nested {
+		next.ServeHTTP(w, r)
+		return
+	}
 	fields := r.Header.Values(HeaderKey)
 	switch {
 	case len(fields) == 0 && m.config.Required:
@@ -366,6 +409,9 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 	key, err := parseKey(fields[0])
+	if err == nil && len(key) > m.maxKey {
+		err = fmt.Errorf("the Idempotency-Key is %d bytes, longer than the limit of %d", len(key), m.maxKey)
+	}
 	if err != nil {
 		m.problem(w, http.StatusBadRequest, "idempotency_key_invalid", "Idempotency-Key is invalid", capitalize(err.Error())+".", nil)
 		return
@@ -377,15 +423,13 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	principal, err := m.config.Principal(r)
 	r.Body = io.NopCloser(bytes.NewReader(body)) // again, whether Principal read it or not
 	if err != nil || principal == "" {
-		m.problem(w, http.StatusUnauthorized, "principal_unknown", "Caller not identified",
+		if err == nil {
+			err = errors.New("empty principal")
+		}
+		m.config.Logger.ErrorContext(r.Context(), "pgidemhttp: Config.Principal named no caller; is the middleware behind authentication?",
+			slog.String("error", err.Error()))
+		m.problem(w, http.StatusInternalServerError, "principal_unknown", "Caller not identified",
 			"The caller of this request could not be identified, so its Idempotency-Key has no scope.", nil)
-		return
-	}
-	if !utf8.ValidString(principal) || strings.IndexFunc(principal, unicode.IsControl) >= 0 {
-		m.config.Logger.ErrorContext(r.Context(), "pgidemhttp: Config.Principal returned a principal with invalid UTF-8 or a control character, which a record key cannot hold",
-			slog.String("principal", strconv.Quote(principal)))
-		m.problem(w, http.StatusInternalServerError, "internal_error", "Internal error",
-			"The request's Idempotency-Key could not be handled.", nil)
 		return
 	}
 	opts := &pgidem.DoOpts{
@@ -408,7 +452,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			if !m.config.Store(rec.stored.Status) {
 				return nil, errNotStored
 			}
-			return m.encode(ctx, rec, recordKey)
+			return m.encode(ctx, rec, recordKey), nil
 		})
 	if rec != nil {
 		// next ran: the client has its response, unless next wrote nothing.
@@ -420,14 +464,15 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if rec.wrote || rec.hijacked || rec.switched || r.Context().Err() != nil {
 			return
 		}
+		clear(w.Header()) // what next set describes no answer; the problem replaces it
 		if errors.Is(err, pgidem.ErrLeaseLost) {
 			m.problem(w, http.StatusConflict, "idempotency_key_in_progress", "Idempotency-Key taken over",
 				"Another request with this Idempotency-Key took it over while this one ran; retry to get its outcome.",
 				http.Header{"Retry-After": {"1"}})
 			return
 		}
-		m.problem(w, http.StatusServiceUnavailable, "store_unavailable", "Outcome not recorded",
-			"The request's outcome could not be recorded; retry later.", http.Header{"Retry-After": {"1"}})
+		m.problem(w, http.StatusServiceUnavailable, "outcome_unknown", "Outcome not recorded",
+			"The request was processed, but its outcome could not be recorded; a retry may process it again.", http.Header{"Retry-After": {"1"}})
 		return
 	}
 	switch {
@@ -444,9 +489,6 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.problem(w, http.StatusConflict, "idempotency_key_in_progress", "A request with this Idempotency-Key is in progress",
 			"A request with this Idempotency-Key is still being processed; retry later.",
 			http.Header{"Retry-After": {strconv.FormatInt(int64(math.Ceil(retry.Seconds())), 10)}})
-	case errors.Is(err, pgidem.ErrInvalidKey):
-		m.problem(w, http.StatusBadRequest, "idempotency_key_invalid", "Idempotency-Key is invalid",
-			"The Idempotency-Key, scoped to its caller, is too long to store.", nil)
 	case r.Context().Err() != nil:
 		// The client went away before anything ran; nobody reads an answer.
 		w.WriteHeader(http.StatusServiceUnavailable)
@@ -500,24 +542,24 @@ func (m *Middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, b
 
 // encode returns the record's JSON for a recorded response. When it would be longer than
 // the coordinator's MaxValueBytes (encoding/json writes some characters as six-byte
-// escapes), the body is left out, so the status and headers are still replayed.
-func (m *Middleware) encode(ctx context.Context, rec *recorder, recordKey string) (json.RawMessage, error) {
+// escapes), the body is left out, and then the headers: next has run, so its status is
+// always stored (an error here would release the key and run next again).
+func (m *Middleware) encode(ctx context.Context, rec *recorder, recordKey string) json.RawMessage {
+	limit := m.coord.Config().MaxValueBytes
 	b, err := json.Marshal(rec.stored)
-	if err == nil && len(b) <= m.coord.Config().MaxValueBytes {
-		return b, nil
+	if err == nil && len(b) <= limit {
+		return b
 	}
+	m.config.Logger.WarnContext(ctx, "pgidemhttp: response too long for its record; stored without its body or headers",
+		slog.String("namespace", m.config.Namespace), slog.String("key", recordKey), slog.Int("json_bytes", len(b)))
 	if !rec.stored.BodyOmitted {
-		m.config.Logger.WarnContext(ctx, "pgidemhttp: response stored without its body, which is too long for the record",
-			slog.String("namespace", m.config.Namespace), slog.String("key", recordKey), slog.Int("json_bytes", len(b)))
 		rec.omitBody()
-		if b, err = json.Marshal(rec.stored); err == nil && len(b) <= m.coord.Config().MaxValueBytes {
-			return b, nil
+		if b, err = json.Marshal(rec.stored); err == nil && len(b) <= limit {
+			return b
 		}
 	}
-	if err == nil {
-		err = fmt.Errorf("the stored headers take %d bytes of JSON, more than the coordinator's MaxValueBytes", len(b))
-	}
-	return nil, fmt.Errorf("pgidemhttp: %w: %w", pgidem.ErrResultNotStorable, err)
+	b, _ = json.Marshal(storedResponse{Status: rec.stored.Status, BodyOmitted: true, HeaderOmitted: true})
+	return b
 }
 
 // writeReplay sends a stored response.
@@ -570,14 +612,14 @@ func (rec *recorder) WriteHeader(code int) {
 }
 
 // capture records the status and the replayable headers as they are when the status is
-// sent. A header value that is not UTF-8 (obs-text) cannot be stored in JSON as it is and
-// is left out.
+// sent. A header value that is not UTF-8 (obs-text) or holds a NUL cannot be stored in
+// the record's JSON and is left out.
 func (rec *recorder) capture(code int) {
 	rec.stored.Status = code
 	h := rec.ResponseWriter.Header()
 	for _, name := range rec.replay {
 		for _, v := range h[name] {
-			if !utf8.ValidString(v) {
+			if !utf8.ValidString(v) || strings.IndexByte(v, 0) >= 0 {
 				continue
 			}
 			if rec.stored.Header == nil {
@@ -592,14 +634,15 @@ func (rec *recorder) Write(p []byte) (int, error) {
 	if !rec.wrote && !rec.switched && !rec.hijacked {
 		rec.WriteHeader(http.StatusOK)
 	}
+	n, err := rec.ResponseWriter.Write(p)
 	if !rec.stored.BodyOmitted {
-		if rec.body.Len()+len(p) > rec.max {
+		if rec.body.Len()+n > rec.max {
 			rec.omitBody()
 		} else {
-			rec.body.Write(p)
+			rec.body.Write(p[:n]) // what the client was sent, not what net/http refused
 		}
 	}
-	return rec.ResponseWriter.Write(p)
+	return n, err
 }
 
 // FlushError sends buffered data to the client ([http.ResponseController]).

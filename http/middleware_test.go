@@ -320,10 +320,11 @@ func TestKeysAreScopedToThePrincipal(t *testing.T) {
 	require.Equal(t, alice.Body.String(), serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Body.String())
 	require.Equal(t, bob.Body.String(), serve(h, request("POST", "/orders", "bob", `"k"`, "x")).Body.String())
 
-	// A caller that cannot be identified gets 401 and nothing runs.
-	requireProblem(t, serve(h, request("POST", "/orders", "", `"k"`, "x")), http.StatusUnauthorized, "principal_unknown")
+	// A caller Principal cannot name is a server fault (the middleware belongs behind
+	// authentication): 500, and nothing runs.
+	requireProblem(t, serve(h, request("POST", "/orders", "", `"k"`, "x")), http.StatusInternalServerError, "principal_unknown")
 	empty := b.handler(t, &pgidemhttp.Config{Principal: func(*http.Request) (string, error) { return "", nil }}, b.createOrder())
-	requireProblem(t, serve(empty, request("POST", "/orders", "alice", `"k"`, "x")), http.StatusUnauthorized, "principal_unknown")
+	requireProblem(t, serve(empty, request("POST", "/orders", "alice", `"k"`, "x")), http.StatusInternalServerError, "principal_unknown")
 	require.Equal(t, int64(2), b.calls.Load())
 }
 
@@ -453,6 +454,7 @@ func TestLeaseLostAnswersConflict(t *testing.T) {
 	b := setup(t, &pgidem.Config{Lease: 300 * time.Millisecond})
 	var cause error
 	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Set-Cookie", "session=1")                                                   // set, never sent
 		_, err := b.db.Pool.Exec(r.Context(), `UPDATE pgidem_record SET owner = gen_random_uuid()`) // a takeover
 		require.NoError(t, err)
 		<-r.Context().Done()
@@ -463,6 +465,22 @@ func TestLeaseLostAnswersConflict(t *testing.T) {
 	require.ErrorIs(t, cause, pgidem.ErrLeaseLost)
 	requireProblem(t, w, http.StatusConflict, "idempotency_key_in_progress")
 	require.Equal(t, "1", w.Header().Get("Retry-After"))
+	require.Empty(t, w.Header().Get("Set-Cookie"), "the handler's unsent headers do not go out with the problem")
+}
+
+// A handler that ran and wrote nothing, whose outcome the store could not take: 503 with
+// a code that says it ran.
+func TestOutcomeUnknown(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b.calls.Add(1)
+		_, err := b.db.Pool.Exec(r.Context(), `ALTER TABLE pgidem_record RENAME TO pgidem_record_gone`)
+		require.NoError(t, err)
+	}))
+	w := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	requireProblem(t, w, http.StatusServiceUnavailable, "outcome_unknown")
+	require.Equal(t, int64(1), b.calls.Load())
 }
 
 func TestHijackedConnectionIsNotRecorded(t *testing.T) {
@@ -631,6 +649,26 @@ func TestResponseTooLongForTheRecord(t *testing.T) {
 	require.Equal(t, int64(1), b.calls.Load())
 }
 
+// Headers too long for the record: the status alone is stored, and the handler does not
+// run again.
+func TestHeadersTooLongForTheRecord(t *testing.T) {
+	t.Parallel()
+	b := setup(t, &pgidem.Config{MaxValueBytes: 1024})
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b.calls.Add(1)
+		w.Header().Set("Link", "<"+strings.Repeat("l", 2000)+">; rel=next")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, "ok")
+	}))
+	require.Equal(t, http.StatusCreated, serve(h, request("POST", "/x", "alice", `"k"`, "x")).Code)
+	replay := serve(h, request("POST", "/x", "alice", `"k"`, "x"))
+	require.Equal(t, http.StatusCreated, replay.Code)
+	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed))
+	require.Empty(t, replay.Header().Get("Link"))
+	require.Empty(t, replay.Body.String())
+	require.Equal(t, int64(1), b.calls.Load())
+}
+
 // A header value that is not UTF-8 (obs-text, which HTTP allows) cannot be stored in JSON:
 // it is left out, and the rest of the response is stored.
 func TestNonUTF8HeaderLeftOut(t *testing.T) {
@@ -639,6 +677,7 @@ func TestNonUTF8HeaderLeftOut(t *testing.T) {
 	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		b.calls.Add(1)
 		w.Header().Set("Location", "/files/caf\xe9")
+		w.Header().Set("Link", "</a\x00b>")
 		w.Header().Set("Content-Type", "text/plain")
 		w.WriteHeader(http.StatusCreated)
 		_, _ = io.WriteString(w, "ok")
@@ -679,7 +718,7 @@ func TestHandlerSeesKey(t *testing.T) {
 	}))
 	require.Equal(t, http.StatusOK, serve(h, request("POST", "/orders", "alice", `"k:1"`, "x")).Code)
 	require.Equal(t, "api", ns)
-	require.Equal(t, "5:alice:k:1", recordKey)
+	require.Equal(t, pgidemhttp.RecordKey("alice", "k:1"), recordKey)
 	require.True(t, ok)
 	require.Equal(t, "alice", principal)
 	require.Equal(t, "k:1", key)
@@ -687,14 +726,63 @@ func TestHandlerSeesKey(t *testing.T) {
 	require.False(t, ok)
 }
 
-// A principal a record key cannot hold is the server's fault: 500, not the client's 400.
-func TestUnstorablePrincipal(t *testing.T) {
+// Any principal works, of any length or content: the record holds a digest of it.
+func TestAnyPrincipal(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	h := b.handler(t, &pgidemhttp.Config{Principal: func(*http.Request) (string, error) { return "bad\x00user", nil }}, b.createOrder())
-	w := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
-	require.Equal(t, http.StatusInternalServerError, w.Code)
-	require.Equal(t, int64(0), b.calls.Load())
+	for _, principal := range []string{"bad\x00user\xff", strings.Repeat("iss|sub-", 200)} {
+		h := b.handler(t, &pgidemhttp.Config{Principal: func(*http.Request) (string, error) { return principal, nil }}, b.createOrder())
+		key := `"` + strings.Repeat("k", 200) + `"` // a long key still fits beside any principal
+		require.Equal(t, http.StatusCreated, serve(h, request("POST", "/orders", "alice", key, "x")).Code)
+		require.Equal(t, "true", serve(h, request("POST", "/orders", "alice", key, "x")).Header().Get(pgidemhttp.HeaderReplayed))
+	}
+	require.Equal(t, int64(2), b.calls.Load())
+	var n int
+	require.NoError(t, b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pgidem_record WHERE key LIKE '%iss|sub%'`).Scan(&n))
+	require.Zero(t, n, "principals are not written to the record")
+}
+
+// A middleware inside another (a global one and a route's own) passes: the outer protects.
+func TestNestedMiddleware(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	inner := b.handler(t, &pgidemhttp.Config{Namespace: "inner"}, b.createOrder())
+	h := b.handler(t, nil, inner)
+	require.Equal(t, http.StatusCreated, serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Code)
+	require.Equal(t, "true", serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, int64(1), b.calls.Load())
+}
+
+// Only what reached the client is stored: bytes net/http refused (beyond a declared
+// Content-Length) are not replayed.
+func TestStoresWhatTheClientWasSent(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b.calls.Add(1)
+		w.Header().Set("Content-Length", "2")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, "hello")
+	}))
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	post := func() (*http.Response, string) {
+		req, err := http.NewRequest("POST", srv.URL, strings.NewReader("x"))
+		require.NoError(t, err)
+		req.Header.Set(principalHeader, "alice")
+		req.Header.Set(pgidemhttp.HeaderKey, `"k"`)
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp, string(body)
+	}
+	_, first := post()
+	require.Empty(t, first)
+	replay, body := post()
+	require.Equal(t, "true", replay.Header.Get(pgidemhttp.HeaderReplayed))
+	require.Empty(t, body, "the refused bytes are not replayed")
+	require.Equal(t, int64(1), b.calls.Load())
 }
 
 // Over a real connection: a handler that flushes mid-response streams it, and the retry
@@ -756,6 +844,7 @@ func TestNewValidatesConfig(t *testing.T) {
 		{pgidemhttp.Config{Principal: principal, Methods: []string{}}, "Config.Methods"},
 		{pgidemhttp.Config{Principal: principal, Methods: []string{"post"}}, "Config.Methods"},
 		{pgidemhttp.Config{Principal: principal, Methods: []string{""}}, "Config.Methods"},
+		{pgidemhttp.Config{Principal: principal, Methods: []string{"PO ST"}}, "Config.Methods"},
 		{pgidemhttp.Config{Principal: principal, Namespace: strings.Repeat("n", 65)}, "Config.Namespace"},
 		{pgidemhttp.Config{Principal: principal, Namespace: "a\x00b"}, "Config.Namespace"},
 	} {
@@ -763,6 +852,9 @@ func TestNewValidatesConfig(t *testing.T) {
 		require.ErrorIs(t, err, pgidem.ErrInvalidArgument, tt.field)
 		require.ErrorContains(t, err, tt.field)
 	}
+
+	_, err = pgidemhttp.New(b.coord, &pgidemhttp.Config{Principal: principal, Methods: []string{"M-SEARCH", "VERSION-CONTROL"}})
+	require.NoError(t, err, "method tokens with digits and dashes")
 
 	mw, err := pgidemhttp.New(b.coord, &pgidemhttp.Config{Principal: principal})
 	require.NoError(t, err)

@@ -47,8 +47,10 @@
 // by the heartbeat; a server that dies mid-request stops renewing, and a retry after the
 // lease takes over and runs the handler again (the record's attempts count 2). So the
 // guarantee for effects outside the database is the coordinator's: at most once while the
-// holder lives. For rows in the same database, make the handler's writes and the key's
-// record one transaction with [pgidem.DoTx] instead.
+// holder lives. For rows in the same database, write them in the handler with
+// [pgidem.DoTx] (or [pgidem.DoInTx]) in a namespace of their own, under a key from
+// [RequestKey] (say [RecordKey] of its principal and key): rows and record commit together,
+// and the retry that runs the handler again replays them instead of writing twice.
 //
 // # Records
 //

@@ -26,7 +26,7 @@ func parseKey(field string) (string, error) {
 	if v[0] != '"' {
 		for i := 0; i < len(v); i++ {
 			if c := v[i]; c <= ' ' || c >= 0x7f || c == '"' || c == '\\' || c == ',' || c == ';' {
-				return "", fmt.Errorf("the Idempotency-Key value holds %s at byte %d; send it as a quoted string (RFC 8941)", describeByte(c), i)
+				return "", fmt.Errorf("the Idempotency-Key value holds %s at byte %d; send printable ASCII, as a quoted string (RFC 8941)", describeByte(c), i)
 			}
 		}
 		return v, nil

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	pgidemhttp "github.com/pgidem/pgidem/http"
@@ -783,6 +784,40 @@ func TestStoresWhatTheClientWasSent(t *testing.T) {
 	require.Equal(t, "true", replay.Header.Get(pgidemhttp.HeaderReplayed))
 	require.Empty(t, body, "the refused bytes are not replayed")
 	require.Equal(t, int64(1), b.calls.Load())
+}
+
+// The pattern the docs give for rows in the same database: the handler writes them with
+// DoTx under a key from RequestKey, so a retry after its server died (here: the handler
+// panics after its commit, which also releases the middleware's record) replays them.
+func TestDoTxInHandler(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	_, err := b.db.Pool.Exec(context.Background(), `CREATE TABLE orders (id bigserial PRIMARY KEY, key text NOT NULL)`)
+	require.NoError(t, err)
+	var runs atomic.Int64
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		principal, key, _ := pgidemhttp.RequestKey(r.Context())
+		id, err := pgidem.DoInTx(r.Context(), b.coord, "orders", pgidemhttp.RecordKey(principal, key), time.Hour, nil,
+			func(ctx context.Context, tx pgx.Tx) (int64, error) {
+				var id int64
+				err := tx.QueryRow(ctx, `INSERT INTO orders (key) VALUES ($1) RETURNING id`, key).Scan(&id)
+				return id, err
+			})
+		require.NoError(t, err)
+		if runs.Add(1) == 1 {
+			panic("the server dies after the commit")
+		}
+		w.WriteHeader(http.StatusCreated)
+		_, _ = fmt.Fprintf(w, "order %d", id)
+	}))
+
+	require.Panics(t, func() { serve(h, request("POST", "/orders", "alice", `"k"`, "x")) })
+	retry := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	require.Equal(t, http.StatusCreated, retry.Code)
+	require.Equal(t, "order 1", retry.Body.String(), "the retry replays the first order")
+	var n int
+	require.NoError(t, b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM orders`).Scan(&n))
+	require.Equal(t, 1, n)
 }
 
 // Over a real connection: a handler that flushes mid-response streams it, and the retry

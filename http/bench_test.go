@@ -28,8 +28,9 @@ type benchResponse struct {
 
 // BenchmarkHandler measures a POST handler behind the middleware against a hand-written
 // wrapper that does the same work with none of the library: read and fingerprint the body,
-// send pgidem's statements for the key (internal/benchsql), run the handler, store its
-// response as JSON; for a replay, read the record and write the stored response. Both run
+// send pgidem's statements for the key as the middleware orders them (reserve first,
+// internal/benchsql), run the handler, store its response as JSON; for a replay, the
+// reserving insert that finds the record, and the stored response written back. Both run
 // in the same loop, one after the other, on one goroutine, so ratio-vs-raw-sql is the
 // middleware's overhead from one run. plain-ns/op is the handler alone, without a record.
 //
@@ -74,7 +75,7 @@ func BenchmarkHandler(b *testing.B) {
 		body, _ := io.ReadAll(r.Body)
 		fingerprint := pgidemhttp.FingerprintDefault(r, body)
 		r.Body = io.NopCloser(strings.NewReader(string(body)))
-		err := benchsql.Fresh(ctx, db.Pool, "raw", pgidemhttp.RecordKey("bench", key), fingerprint, pgidem.LeaseDefault, pgidemhttp.TTLDefault,
+		err := benchsql.Fresh(ctx, db.Pool, benchsql.ReserveFirst, "raw", pgidemhttp.RecordKey("bench", key), fingerprint, pgidem.LeaseDefault, pgidemhttp.TTLDefault,
 			func() ([]byte, error) {
 				handler.ServeHTTP(w, r)
 				return json.Marshal(benchResponse{Status: w.Code, Header: http.Header{"Content-Type": w.Header().Values("Content-Type"), "Location": w.Header().Values("Location")}, Text: w.Body.String()})
@@ -88,7 +89,7 @@ func BenchmarkHandler(b *testing.B) {
 		r, w := newRequest(key), httptest.NewRecorder()
 		body, _ := io.ReadAll(r.Body)
 		_ = pgidemhttp.FingerprintDefault(r, body)
-		result, err := benchsql.Replay(ctx, db.Pool, "raw", pgidemhttp.RecordKey("bench", key))
+		result, err := benchsql.Replay(ctx, db.Pool, benchsql.ReserveFirst, "raw", pgidemhttp.RecordKey("bench", key), pgidem.LeaseDefault, pgidemhttp.TTLDefault)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -33,7 +33,7 @@ func benchPrefix() string {
 
 // benchBaselineFresh sends by hand the three statements of a fresh key through pool.
 func benchBaselineFresh(ctx context.Context, b testing.TB, pool *pgxpool.Pool, key string) {
-	err := benchsql.Fresh(ctx, pool, "bench", key, nil, pgidem.LeaseDefault, testTTL,
+	err := benchsql.Fresh(ctx, pool, benchsql.ReadFirst, "bench", key, nil, pgidem.LeaseDefault, testTTL,
 		func() ([]byte, error) { return []byte(`"em_1"`), nil })
 	if err != nil {
 		b.Fatal(err)
@@ -110,7 +110,7 @@ func BenchmarkDo(b *testing.B) {
 		}
 	}
 	baselineReplay := func() {
-		if _, err := benchsql.Replay(ctx, db.Pool, "bench", "replayed"); err != nil {
+		if _, err := benchsql.Replay(ctx, db.Pool, benchsql.ReadFirst, "bench", "replayed", pgidem.LeaseDefault, testTTL); err != nil {
 			b.Fatal(err)
 		}
 	}

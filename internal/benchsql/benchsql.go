@@ -52,25 +52,39 @@ FROM pgidem_record WHERE namespace = $1 AND key = $2`
 	MinimalReadSQL = `SELECT result FROM pgidem_record WHERE namespace = $1 AND key = $2`
 )
 
-// Fresh sends the three statements of a fresh key through pool: the read (which must find
-// nothing), the reserving insert and, after effect, the completing update with effect's
-// result (JSON). fingerprint may be nil.
-func Fresh(ctx context.Context, pool *pgxpool.Pool, namespace, key string, fingerprint []byte, lease, ttl time.Duration, effect func() ([]byte, error)) error {
+// Order is the order of a call's statements, as pgidem.DoOpts.ReserveFirst chooses it.
+type Order bool
+
+const (
+	// ReadFirst starts with the indexed read (pgidem's default): a fresh key costs the
+	// read, the reserving insert and the completing update; a replay the read alone.
+	ReadFirst Order = false
+	// ReserveFirst starts with the reserving insert, which returns an existing record: a
+	// fresh key costs the insert and the update; a replay the insert that finds the row.
+	ReserveFirst Order = true
+)
+
+// Fresh sends the statements of a fresh key through pool, in order: the read (which must
+// find nothing) unless ReserveFirst, the reserving insert and, after effect, the
+// completing update with effect's result (JSON). fingerprint may be nil.
+func Fresh(ctx context.Context, pool *pgxpool.Pool, order Order, namespace, key string, fingerprint []byte, lease, ttl time.Duration, effect func() ([]byte, error)) error {
 	owner := pgtype.UUID{Valid: true}
 	_, _ = rand.Read(owner.Bytes[:])
-	rows, err := pool.Query(ctx, ReadSQL, namespace, key)
-	if err != nil {
-		return err
+	if order == ReadFirst {
+		rows, err := pool.Query(ctx, ReadSQL, namespace, key)
+		if err != nil {
+			return err
+		}
+		found := rows.Next()
+		rows.Close()
+		if found {
+			return errors.New("benchsql: the fresh key has a record")
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
 	}
-	found := rows.Next()
-	rows.Close()
-	if found {
-		return errors.New("benchsql: the fresh key has a record")
-	}
-	if err := rows.Err(); err != nil {
-		return err
-	}
-	rows, err = pool.Query(ctx, ReserveSQL, namespace, key, owner, fingerprint, lease.Microseconds(), ttl.Microseconds())
+	rows, err := pool.Query(ctx, ReserveSQL, namespace, key, owner, fingerprint, lease.Microseconds(), ttl.Microseconds())
 	if err != nil {
 		return err
 	}
@@ -86,18 +100,36 @@ func Fresh(ctx context.Context, pool *pgxpool.Pool, namespace, key string, finge
 	return err
 }
 
-// Replay reads a stored result with pgidem's probe and returns it.
-func Replay(ctx context.Context, pool *pgxpool.Pool, namespace, key string) ([]byte, error) {
+// Replay reads a stored result with the statement order starts with and returns it.
+func Replay(ctx context.Context, pool *pgxpool.Pool, order Order, namespace, key string, lease, ttl time.Duration) ([]byte, error) {
+	// Scanned into plain values, as hand-written code would.
 	var (
-		status                    string
-		attempts                  int
-		fingerprint, result, fail []byte
-		leaseExp, completedAt     pgtype.Timestamptz
-		expired, leaseExpired     bool
-		now                       time.Time
+		inserted               bool
+		status                 string
+		owner                  pgtype.UUID
+		attempts               int
+		fingerprint            []byte
+		result, failure        []byte
+		leaseExpires, complete *time.Time
+		expiresAt, createdAt   time.Time
+		updatedAt              time.Time
+		expired, leaseExpired  bool
+		now                    time.Time
 	)
-	err := pool.QueryRow(ctx, ReadSQL, namespace, key).Scan(&status, &attempts, &fingerprint, &result, &fail,
-		&leaseExp, &completedAt, &expired, &leaseExpired, &now)
+	var err error
+	if order == ReadFirst {
+		err = pool.QueryRow(ctx, ReadSQL, namespace, key).Scan(&status, &attempts, &fingerprint,
+			&result, &failure, &leaseExpires, &complete, &expired, &leaseExpired, &now)
+	} else {
+		newOwner := pgtype.UUID{Valid: true}
+		_, _ = rand.Read(newOwner.Bytes[:])
+		err = pool.QueryRow(ctx, ReserveSQL, namespace, key, newOwner, nil, lease.Microseconds(), ttl.Microseconds()).Scan(
+			&inserted, &status, &owner, &attempts, &fingerprint, &result, &failure, &leaseExpires,
+			&expiresAt, &createdAt, &updatedAt, &complete, &expired, &leaseExpired, &now)
+		if err == nil && inserted {
+			err = errors.New("benchsql: no record to replay (one was reserved)")
+		}
+	}
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errors.New("benchsql: no record to replay")
 	}

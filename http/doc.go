@@ -38,7 +38,7 @@
 // not hold the principal). Nesting one middleware in another is harmless: the inner one
 // passes.
 //
-// Server errors (5xx), 429 and panics are not stored by default ([Config.Store]): the key
+// Server errors (5xx), 408, 425, 429 and panics are not stored by default ([Config.Store]): the key
 // is released, so a retry runs the handler again. A store that cannot be reached before
 // the handler runs is answered 503 and the handler does not run: a request is never run
 // unprotected unless the coordinator opted into [pgidem.Config.FailOpen].
@@ -51,6 +51,16 @@
 // [pgidem.DoTx] (or [pgidem.DoInTx]) in a namespace of their own, under a key from
 // [RequestKey] (say [RecordKey] of its principal and key): rows and record commit together,
 // and the retry that runs the handler again replays them instead of writing twice.
+//
+// # Publishing the policy
+//
+// The draft (section 2.5) asks a server to publish its idempotency policy for its
+// clients. With the defaults, it is: keys on POST and PATCH, optional unless
+// [Config.Required]; up to 232 bytes of printable ASCII; scoped to the caller; a response
+// replayed for 24 hours after the first request completed ([Config.TTL]); the same key with
+// another method, path, query or body answered 422; 5xx, 408, 425 and 429 not stored, so a
+// retry of those runs again ([Config.Store]); 409 with Retry-After while the first request
+// runs. Set [Config.ProblemType] to the page that says so.
 //
 // # Records
 //

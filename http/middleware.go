@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"math"
 	"net"
 	"net/http"
@@ -39,8 +40,8 @@ const (
 const (
 	// NamespaceDefault is the default [Config.Namespace].
 	NamespaceDefault = "http"
-	// TTLDefault is the default [Config.TTL]: 24 hours, the expiry the draft's examples
-	// use and a common choice of payment APIs.
+	// TTLDefault is the default [Config.TTL]: 24 hours, a common choice of payment APIs
+	// (the draft leaves the expiry to the server, section 2.3).
 	TTLDefault = 24 * time.Hour
 	// MaxRequestBytesDefault is the default [Config.MaxRequestBytes]: 1 MiB.
 	MaxRequestBytesDefault = 1 << 20
@@ -71,15 +72,23 @@ type FingerprintFunc func(r *http.Request, body []byte) []byte
 type StorePolicyFunc func(status int) bool
 
 // StoreDefault is the default [Config.Store]: every status is stored except 5xx (a server
-// error says nothing final about the request) and 429 Too Many Requests (the request was
-// not processed), as the draft's advice on retries implies.
+// error says nothing final about the request), and 408 Request Timeout, 425 Too Early and
+// 429 Too Many Requests (the request was not processed): a retry of those runs the handler
+// again. This is pgidem's policy, not the draft's: its section 2.6 has a retry return the
+// first result, "success or an error"; give Store a function that returns true to do so.
 func StoreDefault(status int) bool {
-	return status < 500 && status != http.StatusTooManyRequests
+	switch status {
+	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests:
+		return false
+	}
+	return status < 500
 }
 
 // FingerprintDefault is the default [Config.Fingerprint]: the SHA-256 of the method, the
 // escaped path, the raw query and the body. A key reused on another endpoint, or with
-// another body, is answered with 422 (the draft, section 2.7).
+// another body, is answered with 422 (the draft, section 2.7). Request headers (Host,
+// Content-Type) are not part of it: an API that serves several hosts or representations
+// under one principal should include them in its own FingerprintFunc.
 func FingerprintDefault(r *http.Request, body []byte) []byte {
 	h := sha256.New()
 	for _, part := range []string{r.Method, r.URL.EscapedPath(), r.URL.RawQuery} {
@@ -133,8 +142,9 @@ type Config struct {
 	// base64 (4/3 of its size). Default [MaxResponseBytesDefault] (1 MiB).
 	MaxResponseBytes int
 
-	// ReplayHeaders are the response headers stored and replayed, as the draft asks for
-	// an allowlist; other headers (Set-Cookie, Date, tracing headers) are neither stored
+	// ReplayHeaders are the response headers stored and replayed (an allowlist: the draft
+	// says nothing of response headers, and most must not outlive their response); other
+	// headers (Set-Cookie, Date, tracing headers) are neither stored
 	// nor replayed, nor are trailers. A value that is not UTF-8 or holds a NUL cannot be
 	// stored in the record's JSON and is left out. Default: Cache-Control,
 	// Content-Encoding, Content-Language, Content-Location, Content-Type, ETag, Expires,
@@ -148,15 +158,20 @@ type Config struct {
 
 	// Fingerprint computes a request's fingerprint, stored with the record and compared
 	// on every retry: a different fingerprint is answered 422 and the handler is not
-	// run. Default [FingerprintDefault] (method, path, query and body).
+	// run. A nil fingerprint turns the check off for that request. Default
+	// [FingerprintDefault] (method, path, query and body).
 	Fingerprint FingerprintFunc
 
 	// InFlight is what a retry does while the first request with its key is still being
 	// handled:
 	//   - [pgidem.InFlightRaise] (the default, also for [pgidem.InFlightDefault]): answer
-	//     409 Conflict at once with Retry-After (the draft, section 2.7);
-	//   - [pgidem.InFlightWait]: wait up to WaitTimeout for the first request to finish
-	//     and replay its response, then answer 409.
+	//     409 Conflict at once with Retry-After (the draft, section 2.7: a concurrent
+	//     request MUST get a conflict error);
+	//   - [pgidem.InFlightWait]: hold the retry up to WaitTimeout (mind the server's
+	//     WriteTimeout) until the first request finishes, and replay its response; when
+	//     the first request's response is not stored (a 5xx, a panic), one waiter takes
+	//     the key and runs the handler itself, and the others replay that. After the wait,
+	//     409. This departs from the draft for clients that prefer an answer to a conflict.
 	InFlight pgidem.InFlightPolicy
 
 	// WaitTimeout bounds the wait under [pgidem.InFlightWait]. Default 0: the
@@ -349,8 +364,8 @@ func RequestKey(ctx context.Context) (principal, key string, ok bool) {
 //   - a retry with a different fingerprint (another body, path or method): 422;
 //   - a retry while the first is still running: 409 with Retry-After in seconds (or a
 //     wait, [Config.InFlight]);
-//   - a response not stored (5xx, 429, a panic, a hijacked connection, 101 Switching
-//     Protocols) releases the key: a retry runs next again.
+//   - a response not stored (by default 5xx, 408, 425 and 429; a panic, a hijacked
+//     connection, 101 Switching Protocols) releases the key: a retry runs next again.
 //
 // A response is stored as next sent it: the status, the bytes of the body the client was
 // sent (within [Config.MaxResponseBytes]) and the headers in [Config.ReplayHeaders] as
@@ -441,6 +456,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		ReserveFirst: true,
 	}
 	recordKey := RecordKey(principal, key)
+	outer := w.Header().Clone() // what outer handlers set: kept if the middleware answers after next
 	ctx := context.WithValue(r.Context(), requestKeyContextKey{}, requestKey{principal: principal, key: key})
 
 	var rec *recorder
@@ -467,7 +483,11 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if rec.wrote || rec.hijacked || rec.switched || r.Context().Err() != nil {
 			return
 		}
-		clear(w.Header()) // what next set describes no answer; the problem replaces it
+		// What next set describes no answer; the problem replaces it. Outer handlers'
+		// headers (CORS, a request id) stay.
+		h := w.Header()
+		clear(h)
+		maps.Copy(h, outer)
 		if errors.Is(err, pgidem.ErrLeaseLost) {
 			m.problem(w, http.StatusConflict, "idempotency_key_in_progress", "Idempotency-Key taken over",
 				"Another request with this Idempotency-Key took it over while this one ran; retry to get its outcome.",
@@ -520,6 +540,9 @@ func (m *Middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, b
 	}
 	if r.ContentLength > limit {
 		return tooLarge()
+	}
+	if r.Body == nil { // a server request always has one; a direct caller's may not
+		r.Body = http.NoBody
 	}
 	read := limit
 	if read < math.MaxInt64 {

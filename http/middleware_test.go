@@ -342,7 +342,8 @@ func statusHandler(runs *atomic.Int64, statuses ...int) http.Handler {
 func TestResponsesNotStored(t *testing.T) {
 	t.Parallel()
 
-	for _, status := range []int{http.StatusInternalServerError, http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusTooManyRequests} {
+	for _, status := range []int{http.StatusInternalServerError, http.StatusBadGateway, http.StatusServiceUnavailable,
+		http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests} {
 		t.Run(strconv.Itoa(status), func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, nil)
@@ -479,8 +480,14 @@ func TestOutcomeUnknown(t *testing.T) {
 		_, err := b.db.Pool.Exec(r.Context(), `ALTER TABLE pgidem_record RENAME TO pgidem_record_gone`)
 		require.NoError(t, err)
 	}))
-	w := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	// An outer handler's headers (CORS, a request id) survive the problem; next's do not.
+	outer := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Access-Control-Allow-Origin", "*")
+		h.ServeHTTP(w, r)
+	})
+	w := serve(outer, request("POST", "/orders", "alice", `"k"`, "x"))
 	requireProblem(t, w, http.StatusServiceUnavailable, "outcome_unknown")
+	require.Equal(t, "*", w.Header().Get("Access-Control-Allow-Origin"))
 	require.Equal(t, int64(1), b.calls.Load())
 }
 
@@ -570,6 +577,11 @@ func TestRequestTooLarge(t *testing.T) {
 	w := serve(h, request("POST", "/orders", "alice", `"k"`, strings.Repeat("y", 16)))
 	require.Equal(t, http.StatusCreated, w.Code)
 	require.Contains(t, w.Body.String(), strings.Repeat("y", 16))
+
+	// A request without a body (a direct caller's; a server always sets one).
+	noBody := request("POST", "/orders", "alice", `"nb"`, "")
+	noBody.Body = nil
+	require.Equal(t, http.StatusCreated, serve(h, noBody).Code)
 
 	// No limit at all.
 	unlimited := b.handler(t, &pgidemhttp.Config{MaxRequestBytes: math.MaxInt64}, b.createOrder())

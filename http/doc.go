@@ -38,8 +38,8 @@
 // not hold the principal). Nesting one middleware in another is harmless: the inner one
 // passes.
 //
-// Server errors (5xx), 408, 425, 429 and panics are not stored by default ([Config.Store]): the key
-// is released, so a retry runs the handler again. A store that cannot be reached before
+// Server errors (5xx), 408, 425, 429 and panics are not stored by default
+// ([Config.Store]): the key is released, so a retry runs the handler again. A store that cannot be reached before
 // the handler runs is answered 503 and the handler does not run: a request is never run
 // unprotected unless the coordinator opted into [pgidem.Config.FailOpen].
 //

@@ -160,6 +160,24 @@ func TestReplay(t *testing.T) {
 	require.NotContains(t, stored.Header, "Set-Cookie")
 }
 
+// After its TTL a record counts as absent: a retry runs the handler again, and the same
+// key with another body is a new request, not a 422.
+func TestExpiredRecordRunsAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t, &pgidem.Config{MinTTL: time.Second, Lease: 500 * time.Millisecond})
+	h := b.handler(t, &pgidemhttp.Config{TTL: time.Second}, b.createOrder())
+
+	require.Equal(t, http.StatusCreated, serve(h, request("POST", "/orders", "alice", `"k"`, "a")).Code)
+	require.Equal(t, "true", serve(h, request("POST", "/orders", "alice", `"k"`, "a")).Header().Get(pgidemhttp.HeaderReplayed))
+	// Expire it by the database clock rather than by sleeping.
+	_, err := b.db.Pool.Exec(context.Background(), `UPDATE pgidem_record SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	w := serve(h, request("POST", "/orders", "alice", `"k"`, "b"))
+	require.Equal(t, http.StatusCreated, w.Code)
+	require.Empty(t, w.Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, int64(2), b.calls.Load())
+}
+
 func TestFingerprintMismatch(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

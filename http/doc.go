@@ -48,9 +48,15 @@
 // lease takes over and runs the handler again (the record's attempts count 2). So the
 // guarantee for effects outside the database is the coordinator's: at most once while the
 // holder lives. For rows in the same database, write them in the handler with
-// [pgidem.DoTx] (or [pgidem.DoInTx]) in a namespace of their own, under a key from
-// [RequestKey] (say [RecordKey] of its principal and key): rows and record commit together,
-// and the retry that runs the handler again replays them instead of writing twice.
+// [pgidem.DoTx] (or [pgidem.DoInTx]) in a namespace of their own under [ScopedKey]: rows and
+// record commit together, and the retry that runs the handler again replays them instead
+// of writing twice. Key a call to another service the same way with [pgidem.Do]:
+//
+//	key, ok := pgidemhttp.ScopedKey(r.Context()) // false: the request has no key
+//	chargeID, err := pgidem.Do(ctx, coord, "charges", key, ttl, nil, charge)
+//	orderID, err := pgidem.DoInTx(ctx, coord, "orders", key, ttl, nil, insertOrder)
+//
+// Never key them by the client's bare Idempotency-Key: two callers may send the same one.
 //
 // # Publishing the policy
 //

@@ -152,7 +152,7 @@ type Config struct {
 	ReplayHeaders []string
 
 	// Store decides which responses are stored and replayed. Default [StoreDefault]
-	// (everything but 5xx and 429). A handler that panics (with [http.ErrAbortHandler] too)
+	// (everything but 5xx, 408, 425 and 429). A handler that panics (with [http.ErrAbortHandler] too)
 	// is never stored; one that returns without writing has answered 200, which is.
 	Store StorePolicyFunc
 
@@ -351,6 +351,23 @@ func RequestKey(ctx context.Context) (principal, key string, ok bool) {
 	return rk.principal, rk.key, ok
 }
 
+// ScopedKey returns the key to run the handler's own effects under: [RecordKey] of the
+// request's principal and Idempotency-Key, the key of the middleware's record. Use it
+// with [pgidem.DoTx] or [pgidem.DoInTx] for the handler's rows and [pgidem.Do] for a call
+// to another service, each in a namespace of its own (not [Config.Namespace]: that key is
+// held by the middleware while the handler runs, and pgidem refuses a call for it), so a
+// retry that runs the handler again after its server died replays them. Scoped to the
+// caller, it never gives one caller's effect to another, as the client's bare key could.
+// ok is false when ctx is not a handler's under a Middleware, or the request carries no
+// key ([Config.Required] false): then there is nothing to dedupe on.
+func ScopedKey(ctx context.Context) (key string, ok bool) {
+	rk, ok := ctx.Value(requestKeyContextKey{}).(requestKey)
+	if !ok {
+		return "", false
+	}
+	return RecordKey(rk.principal, rk.key), true
+}
+
 // Handler wraps next. For a request whose method is in [Config.Methods] and that carries
 // an Idempotency-Key field:
 //   - the first request with a key runs next; its response streams to the client as usual
@@ -381,9 +398,11 @@ func RequestKey(ctx context.Context) (principal, key string, ok bool) {
 // (503: the request is not run unprotected, unless the coordinator opted into
 // [pgidem.Config.FailOpen]). The body is read before Principal is called; Principal and
 // next may both read it, from memory. next runs with a context that carries the key
-// ([RequestKey]; [pgidem.KeyFromContext] gives the record's) and that is cancelled with
-// cause [pgidem.ErrLeaseLost] when the record's lease cannot be kept (the store is
-// unreachable, or another request took the key over). When next returns without writing
+// ([RequestKey], [ScopedKey]; [pgidem.KeyFromContext] gives the record's) and that is
+// cancelled when the client goes away (as net/http does; a handler whose effect is under
+// way may finish it on [context.WithoutCancel]), and with cause [pgidem.ErrLeaseLost] when
+// the record's lease cannot be kept (the store is unreachable, or another request took
+// the key over). When next returns without writing
 // and its response could not be stored, the middleware answers for it: 409 with
 // Retry-After when the key was taken over, else 503 (code "outcome_unknown"). A request
 // that already runs under a Middleware (one wrapping another, on the same or another

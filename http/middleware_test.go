@@ -741,11 +741,12 @@ func TestBinaryBodyReplaysExactly(t *testing.T) {
 func TestHandlerSeesKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	var ns, recordKey, principal, key string
+	var ns, recordKey, principal, key, scoped string
 	var ok bool
 	h := b.handler(t, &pgidemhttp.Config{Namespace: "api"}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ns, recordKey, _ = pgidem.KeyFromContext(r.Context())
 		principal, key, ok = pgidemhttp.RequestKey(r.Context())
+		scoped, _ = pgidemhttp.ScopedKey(r.Context())
 	}))
 	require.Equal(t, http.StatusOK, serve(h, request("POST", "/orders", "alice", `"k:1"`, "x")).Code)
 	require.Equal(t, "api", ns)
@@ -753,8 +754,15 @@ func TestHandlerSeesKey(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, "alice", principal)
 	require.Equal(t, "k:1", key)
+	require.Equal(t, recordKey, scoped)
 	_, _, ok = pgidemhttp.RequestKey(context.Background())
 	require.False(t, ok)
+	_, ok = pgidemhttp.ScopedKey(context.Background())
+	require.False(t, ok)
+	// A request without a key (Required false) has nothing to dedupe on.
+	require.Equal(t, http.StatusOK, serve(h, request("POST", "/orders", "alice", "", "x")).Code)
+	require.False(t, ok)
+	require.Empty(t, scoped)
 }
 
 // Any principal works, of any length or content: the record holds a digest of it.
@@ -826,8 +834,10 @@ func TestDoTxInHandler(t *testing.T) {
 	require.NoError(t, err)
 	var runs atomic.Int64
 	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		principal, key, _ := pgidemhttp.RequestKey(r.Context())
-		id, err := pgidem.DoInTx(r.Context(), b.coord, "orders", pgidemhttp.RecordKey(principal, key), time.Hour, nil,
+		_, key, _ := pgidemhttp.RequestKey(r.Context())
+		scoped, ok := pgidemhttp.ScopedKey(r.Context())
+		require.True(t, ok)
+		id, err := pgidem.DoInTx(r.Context(), b.coord, "orders", scoped, time.Hour, nil,
 			func(ctx context.Context, tx pgx.Tx) (int64, error) {
 				var id int64
 				err := tx.QueryRow(ctx, `INSERT INTO orders (key) VALUES ($1) RETURNING id`, key).Scan(&id)

@@ -6,7 +6,10 @@
 //
 // The server is real: net/http on a loopback port, with POST /payments behind
 // pgidemhttp.Middleware. The handler charges a card at a payment provider (in-process,
-// counting its charges, taking 300 ms) and writes a payment row.
+// counting its charges, taking 300 ms) and writes a payment row. Under a key it runs both
+// effects under pgidemhttp.ScopedKey too, the charge with pgidem.Do and the row with
+// pgidem.DoInTx, so that even a retry that runs the handler again (after its server died
+// mid-request) replays them instead of charging and writing twice.
 //
 // Scene 1: the client's request times out after 100 ms (the response is lost on the way);
 // it retries at once with the same key and is told 409 with Retry-After while the first
@@ -16,6 +19,11 @@
 // Scene 2: the client reuses its key for a different amount: 422, nothing charged.
 //
 // Scene 3: the same lost response without a key: the retry charges the card again.
+//
+// Scene 4: the server fails right after charging the card (the handler aborts, which
+// releases the request's key as the end of a dead server's lease would); the client's
+// retry runs the handler again, which replays the charge from its own record and writes
+// the payment once.
 //
 // It creates its own database on the server found like the tests find theirs
 // (DATABASE_URL, libpq PG* variables, postgres://postgres@127.0.0.1:5432), migrates it, and
@@ -37,6 +45,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	pgidemhttp "github.com/pgidem/pgidem/http"
@@ -63,14 +72,14 @@ func main() {
 // sceneCounts are one scene's printed numbers.
 type sceneCounts struct {
 	Requests int    // requests the client sent
-	Statuses string // their statuses, in order ("timeout" for a lost response)
+	Statuses string // their statuses, in order ("lost" for a response the client did not get)
 	Charges  int    // cards charged at the provider
 	Payments int    // payment rows written
 }
 
 // counts are what run prints, for the test.
 type counts struct {
-	LostResponse, ReusedKey, NoKey sceneCounts
+	LostResponse, ReusedKey, NoKey, FailAfterCharge sceneCounts
 }
 
 // provider is the payment provider: it counts charges per customer.
@@ -89,8 +98,14 @@ func (p *provider) charge(customer string, amountCents int) string {
 
 type api struct {
 	pool     *pgxpool.Pool
+	coord    *pgidem.Coordinator
 	provider *provider
+	failOnce sync.Map // customer → true: the handler fails after the charge, once
 }
+
+// effectTTL is how long the handler's own effects are replayed: at least as long as the
+// middleware's records (24 h).
+const effectTTL = 48 * time.Hour
 
 // createPayment is the handler: charge the card, write the payment row, answer 201. The
 // caller is the customer named in X-Customer (a real API takes it from authentication).
@@ -103,15 +118,34 @@ func (a *api) createPayment(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	customer := r.Header.Get("X-Customer")
-	chargeID := a.provider.charge(customer, req.AmountCents)
-	// The card is charged: finish the work even if the client has gone, so the record
-	// holds the outcome its retry will get.
+	// The card is charged once the handler starts: finish the work even if the client
+	// goes away, so the record holds the outcome its retry will get.
 	ctx := context.WithoutCancel(r.Context())
+	charge := func(context.Context) (string, error) { return a.provider.charge(customer, req.AmountCents), nil }
+	insert := func(ctx context.Context, tx pgx.Tx) (int64, error) {
+		var id int64
+		err := tx.QueryRow(ctx, `INSERT INTO payments (customer, amount_cents) VALUES ($1, $2) RETURNING id`,
+			customer, req.AmountCents).Scan(&id)
+		return id, err
+	}
+	var chargeID string
 	var id int64
-	err := a.pool.QueryRow(ctx, `INSERT INTO payments (customer, amount_cents, charge_id) VALUES ($1, $2, $3) RETURNING id`,
-		customer, req.AmountCents, chargeID).Scan(&id)
+	var err error
+	if key, ok := pgidemhttp.ScopedKey(r.Context()); ok {
+		// Each effect under the request's key, scoped to its caller, in a namespace of its own.
+		if chargeID, err = pgidem.Do(ctx, a.coord, "charges", key, effectTTL, nil, charge); err == nil {
+			if _, fail := a.failOnce.LoadAndDelete(customer); fail {
+				panic(http.ErrAbortHandler) // the server fails after the charge (scene 4)
+			}
+			id, err = pgidem.DoInTx(ctx, a.coord, "payments", key, effectTTL, nil, insert)
+		}
+	} else {
+		// No Idempotency-Key: nothing to dedupe on.
+		chargeID, _ = charge(ctx)
+		err = pgx.BeginFunc(ctx, a.pool, func(tx pgx.Tx) error { id, err = insert(ctx, tx); return err })
+	}
 	if err != nil {
-		http.Error(w, "payment not recorded", http.StatusInternalServerError)
+		http.Error(w, "payment not recorded", http.StatusInternalServerError) // not stored: a retry runs again
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
@@ -129,7 +163,7 @@ func run(ctx context.Context, w io.Writer) (counts, error) {
 	defer scratch.Close(ctx)
 	pool := scratch.Pool
 	if _, err := pool.Exec(ctx, `CREATE TABLE payments (
-		id bigserial PRIMARY KEY, customer text NOT NULL, amount_cents int NOT NULL, charge_id text NOT NULL)`); err != nil {
+		id bigserial PRIMARY KEY, customer text NOT NULL, amount_cents int NOT NULL)`); err != nil {
 		return out, err
 	}
 	coord, err := pgidem.NewCoordinator(pool, nil)
@@ -148,7 +182,7 @@ func run(ctx context.Context, w io.Writer) (counts, error) {
 	if err != nil {
 		return out, err
 	}
-	a := &api{pool: pool, provider: &provider{charges: map[string]int{}}}
+	a := &api{pool: pool, coord: coord, provider: &provider{charges: map[string]int{}}}
 	mux := http.NewServeMux()
 	mux.Handle("POST /payments", mw.Handler(http.HandlerFunc(a.createPayment)))
 
@@ -166,6 +200,7 @@ func run(ctx context.Context, w io.Writer) (counts, error) {
 	c := &client{base: "http://" + ln.Addr().String(), w: w}
 	defer c.http.CloseIdleConnections()
 
+	fmt.Fprintf(w, "the provider takes %s to charge a card; a client that loses its response gives up after %s\n", chargeTime, clientTimeout)
 	fmt.Fprintln(w, "scene 1  the response is lost; the client retries with its Idempotency-Key")
 	s := &out.LostResponse
 	c.post(ctx, s, "cus_1", `"pay-1"`, 1500, clientTimeout)
@@ -180,6 +215,7 @@ func run(ctx context.Context, w io.Writer) (counts, error) {
 		return out, err
 	}
 
+	fmt.Fprintln(w, "  (409: the first request was still charging the card; the replay is its response)")
 	fmt.Fprintln(w, "scene 2  the same key for a different amount")
 	s = &out.ReusedKey
 	c.post(ctx, s, "cus_1", `"pay-1"`, 9900, 0)
@@ -196,6 +232,21 @@ func run(ctx context.Context, w io.Writer) (counts, error) {
 	if err := a.count(ctx, w, s, "cus_2", sceneCounts{}); err != nil {
 		return out, err
 	}
+	fmt.Fprintln(w, "  (the lost first request charged the card and wrote a payment too: two of each)")
+
+	fmt.Fprintln(w, "scene 4  the server fails right after charging the card; the client retries with its key")
+	s = &out.FailAfterCharge
+	a.failOnce.Store("cus_3", true)
+	// A fresh connection: on a reused one, Go's http.Transport would itself resend a
+	// request that carries an Idempotency-Key once the server closed it, and the client
+	// would not see the failure.
+	c.http.CloseIdleConnections()
+	c.post(ctx, s, "cus_3", `"pay-3"`, 2500, 0)
+	c.post(ctx, s, "cus_3", `"pay-3"`, 2500, 0)
+	if err := a.count(ctx, w, s, "cus_3", sceneCounts{}); err != nil {
+		return out, err
+	}
+	fmt.Fprintln(w, "  (the retry ran the handler again: the charge came from its record, the payment was written once)")
 	return out, nil
 }
 
@@ -247,7 +298,7 @@ func (c *client) post(ctx context.Context, s *sceneCounts, customer, key string,
 	resp, err := c.http.Do(req)
 	if err != nil {
 		fmt.Fprintf(c.w, "%s → no response (%s)\n", label, describe(err))
-		s.Statuses = strings.TrimSpace(s.Statuses + " timeout")
+		s.Statuses = strings.TrimSpace(s.Statuses + " lost")
 		return response{}
 	}
 	defer resp.Body.Close()
@@ -268,6 +319,9 @@ func (c *client) post(ctx context.Context, s *sceneCounts, customer, key string,
 func describe(err error) string {
 	if errors.Is(err, context.DeadlineExceeded) {
 		return "the client gave up"
+	}
+	if errors.Is(err, io.EOF) {
+		return "the server closed the connection"
 	}
 	return err.Error()
 }

@@ -23,11 +23,14 @@ func TestHTTPAPI(t *testing.T) {
 	lost := got.LostResponse
 	require.Equal(t, 1, lost.Charges, "the retry with the key does not charge again")
 	require.Equal(t, 1, lost.Payments)
-	require.Regexp(t, `^timeout (409 )+201$`, lost.Statuses, "lost, in progress until the first finished, then the replay")
+	require.Regexp(t, `^lost (409 )+201$`, lost.Statuses, "lost, in progress until the first finished, then the replay")
 	require.Contains(t, out.String(), "(Idempotent-Replayed: true)")
 
 	require.Equal(t, sceneCounts{Requests: 1, Statuses: "422", Charges: 0, Payments: 0}, got.ReusedKey)
 
-	require.Equal(t, sceneCounts{Requests: 2, Statuses: "timeout 201", Charges: 2, Payments: 2}, got.NoKey,
+	require.Equal(t, sceneCounts{Requests: 2, Statuses: "lost 201", Charges: 2, Payments: 2}, got.NoKey,
 		"without a key the retry charges the card again")
+
+	require.Equal(t, sceneCounts{Requests: 2, Statuses: "lost 201", Charges: 1, Payments: 1}, got.FailAfterCharge,
+		"the handler ran twice; its charge is replayed from the record, its payment written once")
 }

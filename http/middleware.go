@@ -402,17 +402,16 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 // cancelled when the client goes away (as net/http does; a handler whose effect is under
 // way may finish it on [context.WithoutCancel]), and with cause [pgidem.ErrLeaseLost] when
 // the record's lease cannot be kept (the store is unreachable, or another request took
-// the key over). When next returns without writing
-// and its response could not be stored, the middleware answers for it: 409 with
-// Retry-After when the key was taken over, else 503 (code "outcome_unknown"). A request
-// that already runs under a Middleware (one wrapping another, on the same or another
-// route) passes to next: the outer one protects it.
+// the key over). When next returns without writing and its response could not be stored,
+// the middleware answers for it: 409 with Retry-After when the key was taken over, else
+// 503 (code "outcome_unknown"). A request that already runs under a Middleware (one
+// wrapping another, on the same or another route) passes to next: the outer one protects
+// it.
 //
 // The response writer given to next supports [http.ResponseController] and the
 // interfaces it unwraps to (Flush, Hijack, deadlines) as far as the server's writer does;
 // it always has a Hijack method, which returns an error matching [http.ErrNotSupported]
-// when the server's writer cannot hijack (HTTP/2).
-// Safe for concurrent use.
+// when the server's writer cannot hijack (HTTP/2). Safe for concurrent use.
 func (m *Middleware) Handler(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !m.methods[r.Method] {

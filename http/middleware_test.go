@@ -95,6 +95,21 @@ func request(method, target, user, key, body string) *http.Request {
 	return r
 }
 
+// postOver sends alice's POST with the Idempotency-Key field key to srv over a real
+// connection and returns the response, its body and the error reading the body.
+func postOver(t *testing.T, srv *httptest.Server, path, key string) (*http.Response, string, error) {
+	t.Helper()
+	req, err := http.NewRequest("POST", srv.URL+path, strings.NewReader("x"))
+	require.NoError(t, err)
+	req.Header.Set(principalHeader, "alice")
+	req.Header.Set(pgidemhttp.HeaderKey, key)
+	resp, err := srv.Client().Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	return resp, string(body), err
+}
+
 func serve(h http.Handler, r *http.Request) *httptest.ResponseRecorder {
 	w := httptest.NewRecorder()
 	h.ServeHTTP(w, r)
@@ -526,17 +541,10 @@ func TestHijackedConnectionIsNotRecorded(t *testing.T) {
 	t.Cleanup(srv.Close)
 
 	for i := 1; i <= 2; i++ {
-		req, err := http.NewRequest("POST", srv.URL+"/upgrade", strings.NewReader("x"))
+		resp, body, err := postOver(t, srv, "/upgrade", `"h"`)
 		require.NoError(t, err)
-		req.Header.Set(principalHeader, "alice")
-		req.Header.Set(pgidemhttp.HeaderKey, `"h"`)
-		resp, err := srv.Client().Do(req)
-		require.NoError(t, err)
-		body, err := io.ReadAll(resp.Body)
-		require.NoError(t, err)
-		require.NoError(t, resp.Body.Close())
 		require.Equal(t, http.StatusAccepted, resp.StatusCode)
-		require.Equal(t, fmt.Sprintf("run %d", i), string(body), "a hijacked response is not replayed")
+		require.Equal(t, fmt.Sprintf("run %d", i), body, "a hijacked response is not replayed")
 		// The client has the response before the handler returns: wait for the release.
 		require.Eventually(t, func() bool {
 			_, err := b.coord.Lookup(context.Background(), pgidemhttp.NamespaceDefault, pgidemhttp.RecordKey("alice", "h"))
@@ -805,20 +813,10 @@ func TestStoresWhatTheClientWasSent(t *testing.T) {
 	}))
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
-	post := func() (*http.Response, string) {
-		req, err := http.NewRequest("POST", srv.URL, strings.NewReader("x"))
-		require.NoError(t, err)
-		req.Header.Set(principalHeader, "alice")
-		req.Header.Set(pgidemhttp.HeaderKey, `"k"`)
-		resp, err := srv.Client().Do(req)
-		require.NoError(t, err)
-		defer resp.Body.Close()
-		body, _ := io.ReadAll(resp.Body)
-		return resp, string(body)
-	}
-	_, first := post()
+	_, first, _ := postOver(t, srv, "/", `"k"`) // the body is cut off: a read error
 	require.Empty(t, first)
-	replay, body := post()
+	replay, body, err := postOver(t, srv, "/", `"k"`)
+	require.NoError(t, err)
 	require.Equal(t, "true", replay.Header.Get(pgidemhttp.HeaderReplayed))
 	require.Empty(t, body, "the refused bytes are not replayed")
 	require.Equal(t, int64(1), b.calls.Load())
@@ -875,23 +873,13 @@ func TestRealServer(t *testing.T) {
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
 
-	post := func() (*http.Response, string) {
-		req, err := http.NewRequest("POST", srv.URL+"/stream", strings.NewReader("x"))
-		require.NoError(t, err)
-		req.Header.Set(principalHeader, "alice")
-		req.Header.Set(pgidemhttp.HeaderKey, `"stream-1"`)
-		resp, err := srv.Client().Do(req)
-		require.NoError(t, err)
-		defer resp.Body.Close()
-		body, err := io.ReadAll(resp.Body)
-		require.NoError(t, err)
-		return resp, string(body)
-	}
-	first, body1 := post()
+	first, body1, err := postOver(t, srv, "/stream", `"stream-1"`)
+	require.NoError(t, err)
 	require.Equal(t, http.StatusOK, first.StatusCode)
 	require.Equal(t, "part 1, part 2", body1)
 	require.Equal(t, []string{"chunked"}, first.TransferEncoding, "the flush streamed the response")
-	second, body2 := post()
+	second, body2, err := postOver(t, srv, "/stream", `"stream-1"`)
+	require.NoError(t, err)
 	require.Equal(t, "part 1, part 2", body2)
 	require.Equal(t, "true", second.Header.Get(pgidemhttp.HeaderReplayed))
 	require.Equal(t, "text/plain; charset=utf-8", second.Header.Get("Content-Type"))

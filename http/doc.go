@@ -47,16 +47,19 @@
 // by the heartbeat; a server that dies mid-request stops renewing, and a retry after the
 // lease takes over and runs the handler again (the record's attempts count 2). So the
 // guarantee for effects outside the database is the coordinator's: at most once while the
-// holder lives. For rows in the same database, write them in the handler with
-// [pgidem.DoTx] (or [pgidem.DoInTx]) in a namespace of their own under [ScopedKey]: rows and
-// record commit together, and the retry that runs the handler again replays them instead
-// of writing twice. Key a call to another service the same way with [pgidem.Do]:
+// holder lives. Hence: key the handler's own effects too, under [ScopedKey] (scoped to the
+// caller and to the request's fingerprint), each in a namespace of its own: rows with
+// [pgidem.DoTx] or [pgidem.DoInTx], which commit them with their record, and calls to
+// other services with [pgidem.Do]. The retry that runs the handler again then replays
+// every effect whose record completed:
 //
 //	key, ok := pgidemhttp.ScopedKey(r.Context()) // false: the request has no key
 //	chargeID, err := pgidem.Do(ctx, coord, "charges", key, ttl, nil, charge)
 //	orderID, err := pgidem.DoInTx(ctx, coord, "orders", key, ttl, nil, insertOrder)
 //
-// Never key them by the client's bare Idempotency-Key: two callers may send the same one.
+// A call cut off mid-way runs again once its lease ends: hand the other service its own
+// idempotency key too ([pgidem.KeyFromContext] in fn). Never key effects by the client's
+// bare Idempotency-Key: two callers may send the same one.
 //
 // # Publishing the policy
 //

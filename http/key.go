@@ -132,5 +132,11 @@ const recordKeyPrefixLen = 23
 // [pgidem.Coordinator.Lookup] or in SQL.
 func RecordKey(principal, key string) string {
 	sum := sha256.Sum256([]byte(principal))
+	return digestKey(sum[:], key)
+}
+
+// digestKey joins the first 16 bytes of a SHA-256 sum, base64url without padding (22
+// characters), and key with a colon: recordKeyPrefixLen bytes before the key.
+func digestKey(sum []byte, key string) string {
 	return base64.RawURLEncoding.EncodeToString(sum[:16]) + ":" + key
 }

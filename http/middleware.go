@@ -183,8 +183,9 @@ type Config struct {
 	// could take over if its server died), at least 1 s, at most this: a live server
 	// renews the lease, so the lease says nothing about when the request will finish, and
 	// a client that waits 30 s for a request that takes 200 ms waits for nothing (the River
-	// middleware bounds its snooze for the same reason). Whole seconds (RFC 9110, 10.2.3).
-	// Default [RetryAfterMaxDefault] (5 s).
+	// middleware bounds its snooze for the same reason). Retry-After counts whole seconds
+	// (RFC 9110, 10.2.3): a fraction of a second here is dropped. At least 1 s. Default
+	// [RetryAfterMaxDefault] (5 s).
 	RetryAfterMax time.Duration
 
 	// ProblemType is the "type" member of the problem details (RFC 9457) the middleware
@@ -339,7 +340,10 @@ var errNotStored = errors.New("pgidemhttp: response not stored")
 // requestKeyContextKey carries the request's principal and Idempotency-Key to the handler.
 type requestKeyContextKey struct{}
 
-type requestKey struct{ principal, key string }
+type requestKey struct {
+	principal, key string
+	fingerprint    []byte
+}
 
 // RequestKey returns the principal and the Idempotency-Key of the request whose handler
 // runs with ctx under a [Middleware]; ok is false outside one. The key is the client's
@@ -351,13 +355,20 @@ func RequestKey(ctx context.Context) (principal, key string, ok bool) {
 	return rk.principal, rk.key, ok
 }
 
-// ScopedKey returns the key to run the handler's own effects under: [RecordKey] of the
-// request's principal and Idempotency-Key, the key of the middleware's record. Use it
+// ScopedKey returns the key to run the handler's own effects under: like [RecordKey], 22
+// characters of digest, a colon and the request's Idempotency-Key, but the digest is of
+// the principal and the request's fingerprint ([Config.Fingerprint]) together. Use it
 // with [pgidem.DoTx] or [pgidem.DoInTx] for the handler's rows and [pgidem.Do] for a call
-// to another service, each in a namespace of its own (not [Config.Namespace]: that key is
-// held by the middleware while the handler runs, and pgidem refuses a call for it), so a
-// retry that runs the handler again after its server died replays them. Scoped to the
-// caller, it never gives one caller's effect to another, as the client's bare key could.
+// to another service, each in a namespace of its own (not [Config.Namespace]: the
+// middleware holds its record's key while the handler runs, and pgidem refuses a call for
+// that key from within), so a retry that runs the handler again after its server died
+// replays the effects whose records completed instead of doing them twice:
+//   - scoped to the caller, it never gives one caller's effect to another, as the client's
+//     bare key could (two callers may send the same one);
+//   - scoped to the request, a different request under the key (once the middleware's
+//     record was released after a 5xx, or expired) gets other keys and runs its effects
+//     afresh, instead of being handed the first request's charge or row.
+//
 // ok is false when ctx is not a handler's under a Middleware, or the request carries no
 // key ([Config.Required] false): then there is nothing to dedupe on.
 func ScopedKey(ctx context.Context) (key string, ok bool) {
@@ -365,7 +376,10 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 	if !ok {
 		return "", false
 	}
-	return RecordKey(rk.principal, rk.key), true
+	h := sha256.New()
+	h.Write([]byte(strconv.Itoa(len(rk.principal)) + ":" + rk.principal))
+	h.Write(rk.fingerprint)
+	return digestKey(h.Sum(nil), rk.key), true
 }
 
 // Handler wraps next. For a request whose method is in [Config.Methods] and that carries
@@ -378,7 +392,7 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 //     panic with [http.ErrAbortHandler];
 //   - a retry with the key and the same fingerprint gets the stored response, marked
 //     Idempotent-Replayed: true, and next does not run;
-//   - a retry with a different fingerprint (another body, path or method): 422;
+//   - a retry with a different fingerprint (another body, path, query or method): 422;
 //   - a retry while the first is still running: 409 with Retry-After in seconds (or a
 //     wait, [Config.InFlight]);
 //   - a response not stored (by default 5xx, 408, 425 and 429; a panic, a hijacked
@@ -475,7 +489,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	recordKey := RecordKey(principal, key)
 	outer := w.Header().Clone() // what outer handlers set: kept if the middleware answers after next
-	ctx := context.WithValue(r.Context(), requestKeyContextKey{}, requestKey{principal: principal, key: key})
+	ctx := context.WithValue(r.Context(), requestKeyContextKey{}, requestKey{principal: principal, key: key, fingerprint: opts.Fingerprint})
 
 	var rec *recorder
 	res, err := pgidem.DoResult(ctx, m.coord, m.config.Namespace, recordKey, m.config.TTL, opts,
@@ -525,7 +539,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	case errors.Is(err, pgidem.ErrInProgress):
 		retry := time.Second
 		if ipe := (*pgidem.InProgressError)(nil); errors.As(err, &ipe) {
-			retry = min(max(ipe.RetryAfter, time.Second), m.config.RetryAfterMax)
+			retry = min(max(ipe.RetryAfter, time.Second), m.config.RetryAfterMax.Truncate(time.Second))
 		}
 		m.problem(w, http.StatusConflict, "idempotency_key_in_progress", "A request with this Idempotency-Key is in progress",
 			"A request with this Idempotency-Key is still being processed; retry later.",

@@ -233,6 +233,12 @@ func TestInProgress(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, 5, retry, "the holder's 30 s lease, bounded by RetryAfterMax")
 
+		// A bound with a fraction of a second is a bound all the same.
+		fractional := b.handler(t, &pgidemhttp.Config{RetryAfterMax: 1500 * time.Millisecond}, slow)
+		w = serve(fractional, request("POST", "/orders", "alice", `"k"`, "x"))
+		requireProblem(t, w, http.StatusConflict, "idempotency_key_in_progress")
+		require.Equal(t, "1", w.Header().Get("Retry-After"))
+
 		close(release)
 		first := <-done
 		require.Equal(t, http.StatusCreated, first.Code)
@@ -510,6 +516,7 @@ func TestOutcomeUnknown(t *testing.T) {
 	b := setup(t, nil)
 	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		b.calls.Add(1)
+		w.Header().Set("Content-Encoding", "gzip") // set, never sent
 		_, err := b.db.Pool.Exec(r.Context(), `ALTER TABLE pgidem_record RENAME TO pgidem_record_gone`)
 		require.NoError(t, err)
 	}))
@@ -521,6 +528,7 @@ func TestOutcomeUnknown(t *testing.T) {
 	w := serve(outer, request("POST", "/orders", "alice", `"k"`, "x"))
 	requireProblem(t, w, http.StatusServiceUnavailable, "outcome_unknown")
 	require.Equal(t, "*", w.Header().Get("Access-Control-Allow-Origin"))
+	require.Empty(t, w.Header().Get("Content-Encoding"))
 	require.Equal(t, int64(1), b.calls.Load())
 }
 
@@ -750,11 +758,11 @@ func TestHandlerSeesKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	var ns, recordKey, principal, key, scoped string
-	var ok bool
+	var ok, scopedOK bool
 	h := b.handler(t, &pgidemhttp.Config{Namespace: "api"}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ns, recordKey, _ = pgidem.KeyFromContext(r.Context())
 		principal, key, ok = pgidemhttp.RequestKey(r.Context())
-		scoped, _ = pgidemhttp.ScopedKey(r.Context())
+		scoped, scopedOK = pgidemhttp.ScopedKey(r.Context())
 	}))
 	require.Equal(t, http.StatusOK, serve(h, request("POST", "/orders", "alice", `"k:1"`, "x")).Code)
 	require.Equal(t, "api", ns)
@@ -762,7 +770,10 @@ func TestHandlerSeesKey(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, "alice", principal)
 	require.Equal(t, "k:1", key)
-	require.Equal(t, recordKey, scoped)
+	require.True(t, scopedOK)
+	require.Len(t, scoped, len(recordKey))
+	require.True(t, strings.HasSuffix(scoped, ":k:1"))
+	require.NotEqual(t, recordKey, scoped, "scoped to the request's fingerprint too")
 	_, _, ok = pgidemhttp.RequestKey(context.Background())
 	require.False(t, ok)
 	_, ok = pgidemhttp.ScopedKey(context.Background())
@@ -770,6 +781,7 @@ func TestHandlerSeesKey(t *testing.T) {
 	// A request without a key (Required false) has nothing to dedupe on.
 	require.Equal(t, http.StatusOK, serve(h, request("POST", "/orders", "alice", "", "x")).Code)
 	require.False(t, ok)
+	require.False(t, scopedOK)
 	require.Empty(t, scoped)
 }
 
@@ -823,8 +835,9 @@ func TestStoresWhatTheClientWasSent(t *testing.T) {
 }
 
 // The pattern the docs give for rows in the same database: the handler writes them with
-// DoTx under a key from RequestKey, so a retry after its server died (here: the handler
-// panics after its commit, which also releases the middleware's record) replays them.
+// DoTx under ScopedKey, so a retry after its server died (here: the handler panics after
+// its commit, which also releases the middleware's record) replays them; and a different
+// request under the released key (another body) writes its own row, not the first's.
 func TestDoTxInHandler(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -856,6 +869,14 @@ func TestDoTxInHandler(t *testing.T) {
 	var n int
 	require.NoError(t, b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM orders`).Scan(&n))
 	require.Equal(t, 1, n)
+
+	// Released (the panic above was its first run's; a 5xx or an expiry does the same):
+	// another request under the key is a new request with effects of its own.
+	_, err = b.db.Pool.Exec(context.Background(), `DELETE FROM pgidem_record WHERE namespace = 'http'`)
+	require.NoError(t, err)
+	other := serve(h, request("POST", "/orders", "alice", `"k"`, "another body"))
+	require.Equal(t, http.StatusCreated, other.Code)
+	require.Equal(t, "order 2", other.Body.String(), "not the first request's order")
 }
 
 // Over a real connection: a handler that flushes mid-response streams it, and the retry

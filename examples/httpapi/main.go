@@ -9,7 +9,9 @@
 // counting its charges, taking 300 ms) and writes a payment row. Under a key it runs both
 // effects under pgidemhttp.ScopedKey too, the charge with pgidem.Do and the row with
 // pgidem.DoInTx, so that even a retry that runs the handler again (after its server died
-// mid-request) replays them instead of charging and writing twice.
+// mid-request) replays the effects that completed instead of charging and writing twice.
+// (A real provider takes an idempotency key of its own as well, for a charge cut off
+// mid-way: pgidem.KeyFromContext in the charge's fn.)
 //
 // Scene 1: the client's request times out after 100 ms (the response is lost on the way);
 // it retries at once with the same key and is told 409 with Retry-After while the first
@@ -20,10 +22,10 @@
 //
 // Scene 3: the same lost response without a key: the retry charges the card again.
 //
-// Scene 4: the server fails right after charging the card (the handler aborts, which
-// releases the request's key as the end of a dead server's lease would); the client's
-// retry runs the handler again, which replays the charge from its own record and writes
-// the payment once.
+// Scene 4: the server fails after charging the card and writing the payment, before it
+// answers (the handler aborts, which releases the request's key as the end of a dead
+// server's lease would); the client's retry runs the handler again, which replays the
+// charge and the payment from their own records.
 //
 // It creates its own database on the server found like the tests find theirs
 // (DATABASE_URL, libpq PG* variables, postgres://postgres@127.0.0.1:5432), migrates it, and
@@ -40,9 +42,11 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/signal"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -61,7 +65,10 @@ const (
 )
 
 func main() {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	// Interrupted, it still drops its database.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
 	if _, err := run(ctx, os.Stdout); err != nil {
 		fmt.Fprintln(os.Stderr, "httpapi:", err)
@@ -100,12 +107,13 @@ type api struct {
 	pool     *pgxpool.Pool
 	coord    *pgidem.Coordinator
 	provider *provider
-	failOnce sync.Map // customer → true: the handler fails after the charge, once
+	failOnce sync.Map // customer → true: the handler fails after its effects, once
 }
 
-// effectTTL is how long the handler's own effects are replayed: at least as long as the
-// middleware's records (24 h).
-const effectTTL = 48 * time.Hour
+// effectTTL is how long the handler's own effects are replayed: as long as the
+// middleware's records (24 h); ScopedKey ties them to the request, so an effect record
+// that outlives the middleware's can only be replayed to the same request.
+const effectTTL = 24 * time.Hour
 
 // createPayment is the handler: charge the card, write the payment row, answer 201. The
 // caller is the customer named in X-Customer (a real API takes it from authentication).
@@ -134,10 +142,10 @@ func (a *api) createPayment(w http.ResponseWriter, r *http.Request) {
 	if key, ok := pgidemhttp.ScopedKey(r.Context()); ok {
 		// Each effect under the request's key, scoped to its caller, in a namespace of its own.
 		if chargeID, err = pgidem.Do(ctx, a.coord, "charges", key, effectTTL, nil, charge); err == nil {
-			if _, fail := a.failOnce.LoadAndDelete(customer); fail {
-				panic(http.ErrAbortHandler) // the server fails after the charge (scene 4)
-			}
 			id, err = pgidem.DoInTx(ctx, a.coord, "payments", key, effectTTL, nil, insert)
+		}
+		if _, fail := a.failOnce.LoadAndDelete(customer); fail && err == nil {
+			panic(http.ErrAbortHandler) // the server fails before answering (scene 4)
 		}
 	} else {
 		// No Idempotency-Key: nothing to dedupe on.
@@ -234,7 +242,7 @@ func run(ctx context.Context, w io.Writer) (counts, error) {
 	}
 	fmt.Fprintln(w, "  (the lost first request charged the card and wrote a payment too: two of each)")
 
-	fmt.Fprintln(w, "scene 4  the server fails right after charging the card; the client retries with its key")
+	fmt.Fprintln(w, "scene 4  the server fails after the charge and the payment, before answering; the client retries")
 	s = &out.FailAfterCharge
 	a.failOnce.Store("cus_3", true)
 	// A fresh connection: on a reused one, Go's http.Transport would itself resend a
@@ -246,7 +254,7 @@ func run(ctx context.Context, w io.Writer) (counts, error) {
 	if err := a.count(ctx, w, s, "cus_3", sceneCounts{}); err != nil {
 		return out, err
 	}
-	fmt.Fprintln(w, "  (the retry ran the handler again: the charge came from its record, the payment was written once)")
+	fmt.Fprintln(w, "  (the retry ran the handler again: charge and payment came from their records, not done twice)")
 	return out, nil
 }
 

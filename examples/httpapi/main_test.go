@@ -32,5 +32,5 @@ func TestHTTPAPI(t *testing.T) {
 		"without a key the retry charges the card again")
 
 	require.Equal(t, sceneCounts{Requests: 2, Statuses: "lost 201", Charges: 1, Payments: 1}, got.FailAfterCharge,
-		"the handler ran twice; its charge is replayed from the record, its payment written once")
+		"the handler ran twice; its charge and its payment are replayed from their records")
 }

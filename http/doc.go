@@ -34,11 +34,13 @@
 //
 // Error responses are problem details (RFC 9457, [Problem]). Keys are scoped to the caller
 // ([Config.Principal]): the record's key is [RecordKey], a digest of the principal and the
-// Idempotency-Key, so one caller can never receive another's response (and the record does
-// not hold the principal). Nesting one middleware in another is harmless: the inner one
-// passes.
+// Idempotency-Key, so one caller can never receive another's response. The record holds
+// an unsalted digest, not the principal itself (a dictionary of likely principals, such as
+// e-mail addresses, can still find it). A replay re-checks nothing the handler would have
+// checked, so the principal must be the finest identity whose authorization can differ
+// ([PrincipalFunc]).
 //
-// Server errors (5xx), 408, 425, 429 and panics are not stored by default
+// Server errors (5xx), 401, 403, 407, 408, 425, 429 and panics are not stored by default
 // ([Config.Store]): the key is released, so a retry runs the handler again. A store that cannot be reached before
 // the handler runs is answered 503 and the handler does not run: a request is never run
 // unprotected unless the coordinator opted into [pgidem.Config.FailOpen].
@@ -67,14 +69,16 @@
 // clients. With the defaults, it is: keys on POST and PATCH, optional unless
 // [Config.Required]; up to 232 bytes of printable ASCII; scoped to the caller; a response
 // replayed for 24 hours after the first request completed ([Config.TTL]); the same key with
-// another method, path, query or body answered 422; 5xx, 408, 425 and 429 not stored, so a
-// retry of those runs again ([Config.Store]); 409 with Retry-After while the first request
+// another method, path, query or body answered 422; 5xx, 401, 403, 407, 408, 425 and 429
+// not stored, so a retry of those runs again ([Config.Store]); 409 with Retry-After while the first request
 // runs. Set [Config.ProblemType] to the page that says so.
 //
 // # Records
 //
 // Records live in pgidem_record like any other, in [Config.Namespace] ("http") under
 // [RecordKey]; the result column holds the response as JSON (status, header, and the body
-// as "text" when it is UTF-8, else base64 "body"). Expired records are deleted by the
-// coordinator's sweep.
+// as "text" when it is UTF-8, else base64 "body"), in plain JSON for the TTL. Expired
+// records are deleted by a sweep you schedule: [pgidem.Coordinator.Sweep], `pgidem sweep`
+// from cron, or the River periodic job of package pgidemriver. Every distinct key a client
+// sends is a record until then.
 package pgidemhttp

@@ -127,8 +127,9 @@ const recordKeyPrefixLen = 23
 // the Idempotency-Key, e.g. "hJh8GBdyoSfsMEPkPNfIgQ:8e03978e-40d5-43e8-bc93-6894a57f9324".
 // The digest (the first 16 bytes of the principal's SHA-256, base64url without padding)
 // has a fixed length, so a principal of any length or content leaves the same room for
-// the key, no two principals' keys can meet, and the principal itself (an e-mail address,
-// a token subject) is not written to the record. Use it to find a request's record with
+// the key, and no two principals' keys can meet. The principal itself (an e-mail address,
+// a token subject) is not written to the record, only this unsalted digest, which a
+// dictionary of likely principals can reverse. Use it to find a request's record with
 // [pgidem.Coordinator.Lookup] or in SQL.
 func RecordKey(principal, key string) string {
 	sum := sha256.Sum256([]byte(principal))

@@ -34,6 +34,10 @@ const (
 	// tell a replay from a fresh execution. It is not in the draft; Stripe's API uses the
 	// same name.
 	HeaderReplayed = "Idempotent-Replayed"
+	// HeaderBodyOmitted is set to "true" on a replay whose stored response has no body
+	// although the first response had one (too long for the record, or cut off on its way
+	// to the client), so a client can tell it from a response that was empty. pgidem's own.
+	HeaderBodyOmitted = "Idempotent-Body-Omitted"
 )
 
 // Defaults and limits for [Config]. A zero Config field takes the Default.
@@ -54,8 +58,13 @@ const (
 )
 
 // PrincipalFunc returns the identity of the caller a request comes from: the
-// authenticated user, API client or tenant its idempotency keys belong to. It is not
-// authentication: run the middleware behind it, so every request that reaches the
+// authenticated user or API client its idempotency keys belong to. A replay re-checks
+// nothing the handler checks (roles, ownership, quotas): any request with the principal,
+// key and fingerprint of a stored one receives its response. So return the finest
+// identity whose authorization can differ — a user, not the tenant or a shared account —
+// that stays the same across a client's retries (not a session or token id), with a type
+// prefix when ids of several kinds of caller may collide ("user:42", "client:42"). It is
+// not authentication: run the middleware behind it, so every request that reaches the
 // middleware has a caller. An error, or an empty principal, is therefore a server fault:
 // the middleware answers 500 (code "principal_unknown"), logs the error and does not run
 // the handler. Any string is a valid principal; records hold a digest of it ([RecordKey]).
@@ -72,13 +81,16 @@ type FingerprintFunc func(r *http.Request, body []byte) []byte
 type StorePolicyFunc func(status int) bool
 
 // StoreDefault is the default [Config.Store]: every status is stored except 5xx (a server
-// error says nothing final about the request), and 408 Request Timeout, 425 Too Early and
-// 429 Too Many Requests (the request was not processed): a retry of those runs the handler
+// error says nothing final about the request); 408 Request Timeout, 425 Too Early and 429
+// Too Many Requests (the request was not processed); and 401, 403 and 407 (the caller's
+// credentials were refused: a client that authenticates again, or steps up, resends the
+// request under the same key and must be judged anew). A retry of those runs the handler
 // again. This is pgidem's policy, not the draft's: its section 2.6 has a retry return the
 // first result, "success or an error"; give Store a function that returns true to do so.
 func StoreDefault(status int) bool {
 	switch status {
-	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests:
+	case http.StatusUnauthorized, http.StatusForbidden, http.StatusProxyAuthRequired,
+		http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests:
 		return false
 	}
 	return status < 500
@@ -103,8 +115,8 @@ type Config struct {
 	// Principal returns the caller a request's key belongs to; keys are scoped to it, so
 	// one caller can never receive another's replayed response by sending the same key.
 	// Put the middleware behind authentication and return the authenticated identity
-	// ([PrincipalFunc]). Required; a service with a single trusted client may return a
-	// constant.
+	// ([PrincipalFunc]: the finest one whose authorization can differ). Required; a
+	// service with a single trusted client may return a constant.
 	Principal PrincipalFunc
 
 	// Namespace is the record namespace of every request (see [RecordKey] for the key).
@@ -148,11 +160,13 @@ type Config struct {
 	// nor replayed, nor are trailers. A value that is not UTF-8 or holds a NUL cannot be
 	// stored in the record's JSON and is left out. Default: Cache-Control,
 	// Content-Encoding, Content-Language, Content-Location, Content-Type, ETag, Expires,
-	// Last-Modified, Link, Location, Retry-After, Vary.
+	// Last-Modified, Link, Location, Retry-After, Vary, Allow.
 	ReplayHeaders []string
 
 	// Store decides which responses are stored and replayed. Default [StoreDefault]
-	// (everything but 5xx, 408, 425 and 429). A handler that panics (with [http.ErrAbortHandler] too)
+	// (everything but 5xx, 401, 403, 407, 408, 425 and 429). Stored bodies sit in the
+	// record as plain JSON for the TTL, readable with SQL and the pgidem CLI: a route whose
+	// responses hold a secret shown once can keep them out with a Store of its own. A handler that panics (with [http.ErrAbortHandler] too)
 	// is never stored; one that returns without writing has answered 200, which is.
 	Store StorePolicyFunc
 
@@ -202,7 +216,7 @@ type Config struct {
 // defaultReplayHeaders is the default Config.ReplayHeaders.
 func defaultReplayHeaders() []string {
 	return []string{"Cache-Control", "Content-Encoding", "Content-Language", "Content-Location",
-		"Content-Type", "ETag", "Expires", "Last-Modified", "Link", "Location", "Retry-After", "Vary"}
+		"Content-Type", "ETag", "Expires", "Last-Modified", "Link", "Location", "Retry-After", "Vary", "Allow"}
 }
 
 // Middleware makes POST and PATCH handlers idempotent under the Idempotency-Key request
@@ -326,8 +340,8 @@ type storedResponse struct {
 	Text string `json:"text,omitempty"`
 	Body []byte `json:"body,omitempty"`
 	// BodyOmitted is true when the body was not stored: longer than
-	// Config.MaxResponseBytes, or the record's JSON with it longer than the coordinator's
-	// MaxValueBytes.
+	// Config.MaxResponseBytes, the record's JSON with it longer than the coordinator's
+	// MaxValueBytes, or cut off on its way to the client.
 	BodyOmitted bool `json:"body_omitted,omitempty"`
 	// HeaderOmitted is true when even the headers made the record too long: the status
 	// alone is replayed.
@@ -341,8 +355,8 @@ var errNotStored = errors.New("pgidemhttp: response not stored")
 type requestKeyContextKey struct{}
 
 type requestKey struct {
-	principal, key string
-	fingerprint    []byte
+	namespace, principal, key string
+	fingerprint               []byte
 }
 
 // RequestKey returns the principal and the Idempotency-Key of the request whose handler
@@ -395,14 +409,19 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 //   - a retry with a different fingerprint (another body, path, query or method): 422;
 //   - a retry while the first is still running: 409 with Retry-After in seconds (or a
 //     wait, [Config.InFlight]);
-//   - a response not stored (by default 5xx, 408, 425 and 429; a panic, a hijacked
-//     connection, 101 Switching Protocols) releases the key: a retry runs next again.
+//   - a response not stored (by default 5xx, 401, 403, 407, 408, 425 and 429; a panic, a
+//     hijacked connection, 101 Switching Protocols) releases the key: a retry runs next
+//     again.
 //
-// A response is stored as next sent it: the status, the bytes of the body the client was
-// sent (within [Config.MaxResponseBytes]) and the headers in [Config.ReplayHeaders] as
-// they were when the status was sent; not trailers. When the record's JSON would be too
-// long for the coordinator ([pgidem.Config.MaxValueBytes]), the body is left out, and then
-// the headers: a replay sends the status alone.
+// A response is stored as next wrote it: the status, the body (within
+// [Config.MaxResponseBytes]) and the headers in [Config.ReplayHeaders] as they were when
+// the status was sent; not trailers. A body is left out when a write of it failed (the
+// client went away, a write timeout): a replay never passes part of a body off as all of
+// it. It is also left out, and then the headers, when the record's JSON would be too long
+// for the coordinator ([pgidem.Config.MaxValueBytes]). A replay without the body it had
+// carries Idempotent-Body-Omitted: true ([HeaderBodyOmitted]). Wrapping the middleware in a
+// writer that buffers and may discard the response ([http.TimeoutHandler]) breaks this:
+// put such a writer inside, around next, or use the server's timeouts.
 //
 // Requests the middleware refuses never reach next and are answered with problem details
 // (RFC 9457, Content-Type application/problem+json; [Problem]): a missing key when
@@ -418,9 +437,11 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 // the record's lease cannot be kept (the store is unreachable, or another request took
 // the key over). When next returns without writing and its response could not be stored,
 // the middleware answers for it: 409 with Retry-After when the key was taken over, else
-// 503 (code "outcome_unknown"). A request that already runs under a Middleware (one
-// wrapping another, on the same or another route) passes to next: the outer one protects
-// it.
+// 503 (code "outcome_unknown"). Under another Middleware (one wrapping another), a
+// request whose record the outer one already holds (same namespace and record key) passes
+// to next; otherwise the inner one keeps a record of its own, by its own settings. An
+// outer middleware with a coarser principal replays by that principal before the inner one
+// is reached, so give the outermost the finest.
 //
 // The response writer given to next supports [http.ResponseController] and the
 // interfaces it unwraps to (Flush, Hijack, deadlines) as far as the server's writer does;
@@ -437,10 +458,6 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
-	if _, _, nested := RequestKey(r.Context()); nested {
-		next.ServeHTTP(w, r)
-		return
-	}
 	fields := r.Header.Values(HeaderKey)
 	switch {
 	case len(fields) == 0 && m.config.Required:
@@ -488,8 +505,12 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		ReserveFirst: true,
 	}
 	recordKey := RecordKey(principal, key)
+	if rk, nested := r.Context().Value(requestKeyContextKey{}).(requestKey); nested && rk.namespace == m.config.Namespace && RecordKey(rk.principal, rk.key) == recordKey {
+		next.ServeHTTP(w, r) // an outer middleware holds this very record
+		return
+	}
 	outer := w.Header().Clone() // what outer handlers set: kept if the middleware answers after next
-	ctx := context.WithValue(r.Context(), requestKeyContextKey{}, requestKey{principal: principal, key: key, fingerprint: opts.Fingerprint})
+	ctx := context.WithValue(r.Context(), requestKeyContextKey{}, requestKey{namespace: m.config.Namespace, principal: principal, key: key, fingerprint: opts.Fingerprint})
 
 	var rec *recorder
 	res, err := pgidem.DoResult(ctx, m.coord, m.config.Namespace, recordKey, m.config.TTL, opts,
@@ -633,6 +654,9 @@ func (m *Middleware) writeReplay(w http.ResponseWriter, raw json.RawMessage) {
 		h[name] = values
 	}
 	h.Set(HeaderReplayed, "true")
+	if s.BodyOmitted {
+		h.Set(HeaderBodyOmitted, "true")
+	}
 	body := s.Body
 	if s.Text != "" {
 		body = []byte(s.Text)
@@ -693,12 +717,16 @@ func (rec *recorder) Write(p []byte) (int, error) {
 		rec.WriteHeader(http.StatusOK)
 	}
 	n, err := rec.ResponseWriter.Write(p)
-	if !rec.stored.BodyOmitted {
-		if rec.body.Len()+n > rec.max {
-			rec.omitBody()
-		} else {
-			rec.body.Write(p[:n]) // what the client was sent, not what net/http refused
-		}
+	switch {
+	case rec.stored.BodyOmitted:
+	case err != nil:
+		// The response did not reach the client whole (it went away, a write timeout,
+		// a TimeoutHandler outside): a replay must not pass part of it off as all of it.
+		rec.omitBody()
+	case rec.body.Len()+n > rec.max:
+		rec.omitBody()
+	default:
+		rec.body.Write(p[:n])
 	}
 	return n, err
 }
@@ -708,7 +736,11 @@ func (rec *recorder) FlushError() error {
 	if !rec.wrote && !rec.switched && !rec.hijacked {
 		rec.WriteHeader(http.StatusOK)
 	}
-	return http.NewResponseController(rec.ResponseWriter).Flush()
+	err := http.NewResponseController(rec.ResponseWriter).Flush()
+	if err != nil && !errors.Is(err, http.ErrNotSupported) {
+		rec.omitBody() // as for a failed Write
+	}
+	return err
 }
 
 // Flush implements [http.Flusher] for handlers that assert it.

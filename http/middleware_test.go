@@ -382,6 +382,7 @@ func TestResponsesNotStored(t *testing.T) {
 	t.Parallel()
 
 	for _, status := range []int{http.StatusInternalServerError, http.StatusBadGateway, http.StatusServiceUnavailable,
+		http.StatusUnauthorized, http.StatusForbidden, http.StatusProxyAuthRequired,
 		http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests} {
 		t.Run(strconv.Itoa(status), func(t *testing.T) {
 			t.Parallel()
@@ -670,6 +671,7 @@ func TestLargeResponseStoredWithoutBody(t *testing.T) {
 	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed))
 	require.Empty(t, replay.Body.String())
 	require.Equal(t, "0", replay.Header().Get("Content-Length"))
+	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderBodyOmitted))
 	require.Equal(t, "/orders/1", replay.Header().Get("Location"))
 	require.Empty(t, replay.Header().Get("Content-Type"), "no body, no type")
 	require.Equal(t, int64(1), runs.Load())
@@ -802,14 +804,78 @@ func TestAnyPrincipal(t *testing.T) {
 }
 
 // A middleware inside another (a global one and a route's own) passes: the outer protects.
+// One middleware inside another: when the outer one holds the very record the inner one
+// would (same namespace, same caller and key), the inner passes; otherwise the inner keeps
+// a record of its own.
 func TestNestedMiddleware(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	inner := b.handler(t, &pgidemhttp.Config{Namespace: "inner"}, b.createOrder())
-	h := b.handler(t, nil, inner)
-	require.Equal(t, http.StatusCreated, serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Code)
-	require.Equal(t, "true", serve(h, request("POST", "/orders", "alice", `"k"`, "x")).Header().Get(pgidemhttp.HeaderReplayed))
+	count := func() (n int) {
+		require.NoError(t, b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pgidem_record`).Scan(&n))
+		return n
+	}
+
+	same := b.handler(t, nil, b.handler(t, nil, b.createOrder()))
+	require.Equal(t, http.StatusCreated, serve(same, request("POST", "/orders", "alice", `"k"`, "x")).Code)
+	require.Equal(t, "true", serve(same, request("POST", "/orders", "alice", `"k"`, "x")).Header().Get(pgidemhttp.HeaderReplayed))
 	require.Equal(t, int64(1), b.calls.Load())
+	require.Equal(t, 1, count(), "the inner one passed: one record")
+
+	own := b.handler(t, nil, b.handler(t, &pgidemhttp.Config{Namespace: "inner"}, b.createOrder()))
+	require.Equal(t, http.StatusCreated, serve(own, request("POST", "/orders", "bob", `"k"`, "x")).Code)
+	require.Equal(t, "true", serve(own, request("POST", "/orders", "bob", `"k"`, "x")).Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, int64(2), b.calls.Load())
+	require.Equal(t, 3, count(), "the inner one kept its own record")
+}
+
+// A response that did not reach the client whole (it went away mid-body) is stored
+// without its body, and the replay says so.
+func TestCutOffBodyIsNotReplayed(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	failed := make(chan struct{})
+	h := b.handler(t, &pgidemhttp.Config{MaxResponseBytes: 16 << 20}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if b.calls.Add(1) > 1 {
+			t.Error("the handler ran again")
+			return
+		}
+		defer close(failed)
+		w.WriteHeader(http.StatusCreated)
+		chunk := []byte(strings.Repeat("x", 32<<10))
+		for range 256 { // 8 MiB at most; the client leaves after the status
+			if _, err := w.Write(chunk); err != nil {
+				return
+			}
+			if err := http.NewResponseController(w).Flush(); err != nil {
+				return
+			}
+		}
+		t.Error("every write succeeded: the client did not go away")
+	}))
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+
+	req, err := http.NewRequest("POST", srv.URL, strings.NewReader("x"))
+	require.NoError(t, err)
+	req.Header.Set(principalHeader, "alice")
+	req.Header.Set(pgidemhttp.HeaderKey, `"k"`)
+	resp, err := srv.Client().Do(req)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusCreated, resp.StatusCode)
+	require.NoError(t, resp.Body.Close()) // leaves mid-body
+	srv.CloseClientConnections()
+	<-failed
+
+	// The handler returned; the record completes once the middleware stored it.
+	var replay *http.Response
+	require.Eventually(t, func() bool {
+		var err error
+		replay, _, err = postOver(t, srv, "/", `"k"`)
+		return err == nil && replay.Header.Get(pgidemhttp.HeaderReplayed) == "true"
+	}, time.Minute, 20*time.Millisecond)
+	require.Equal(t, http.StatusCreated, replay.StatusCode)
+	require.Equal(t, "true", replay.Header.Get(pgidemhttp.HeaderBodyOmitted))
+	require.Equal(t, "0", replay.Header.Get("Content-Length"))
 }
 
 // Only what reached the client is stored: bytes net/http refused (beyond a declared

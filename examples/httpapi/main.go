@@ -179,6 +179,8 @@ func run(ctx context.Context, w io.Writer) (counts, error) {
 		return out, err
 	}
 	mw, err := pgidemhttp.New(coord, &pgidemhttp.Config{
+		// DEMO ONLY: the caller names itself in a header anyone can set. A real API puts the
+		// middleware behind authentication and returns the authenticated user here.
 		Principal: func(r *http.Request) (string, error) {
 			if c := r.Header.Get("X-Customer"); c != "" {
 				return c, nil

@@ -52,6 +52,13 @@ type batcher[Req, Res any] struct {
 	max int // the most requests a round carries; 1: every call runs alone, at once
 	run func(ctx context.Context, items []*batchItem[Req, Res])
 
+	// size, when set, weighs a request in bytes, and a round takes queued requests only
+	// while their sizes with the leader's stay within maxBytes (the leader's own always
+	// goes): a round of completions carrying large results stays one value's size, not
+	// max of them, in memory and on the wire.
+	size     func(Req) int
+	maxBytes int
+
 	mu    sync.Mutex
 	busy  bool                   // a round is running
 	queue []*batchItem[Req, Res] // callers waiting for the next round; empty when !busy
@@ -79,9 +86,19 @@ func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 		b.mu.Unlock()
 	}
 
-	// Leading a round: it carries this call and up to max-1 of those queued.
+	// Leading a round: it carries this call and up to max-1 of those queued, in order,
+	// within the byte budget.
 	b.mu.Lock()
 	n := min(len(b.queue), b.max-1)
+	if b.size != nil {
+		total := b.size(req)
+		for i := range n {
+			if total += b.size(b.queue[i].req); total > b.maxBytes {
+				n = i
+				break
+			}
+		}
+	}
 	items := append([]*batchItem[Req, Res]{it}, b.queue[:n]...)
 	b.queue = slices.Delete(b.queue, 0, n)
 	b.mu.Unlock()

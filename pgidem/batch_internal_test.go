@@ -98,6 +98,40 @@ func TestBatcherQueuesBehindARunningRound(t *testing.T) {
 	require.False(t, b.busy, "the last round handed nothing on and left the batcher idle")
 }
 
+// A round takes queued requests only while their bytes fit the budget; the rest wait for
+// the next round, in order.
+func TestBatcherByteBudget(t *testing.T) {
+	gate, started := make(chan struct{}), make(chan struct{}, 1)
+	b, rounds := gatedBatcher(10, gate, started)
+	b.size, b.maxBytes = func(req int) int { return req }, 10 // a request weighs its value
+	ctx := context.Background()
+
+	var wg sync.WaitGroup
+	call := func(i int) {
+		defer wg.Done()
+		res, err := b.do(ctx, i)
+		require.NoError(t, err)
+		require.Equal(t, i*10, res)
+	}
+	wg.Add(1)
+	go call(1)
+	<-started // call 1 leads a round of its own and is held there
+	for _, i := range []int{4, 5, 2, 3, 20} {
+		wg.Add(1)
+		go call(i)
+		require.Eventually(t, func() bool { // queued in this order
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			return len(b.queue) > 0 && b.queue[len(b.queue)-1].req == i
+		}, 10*time.Second, time.Millisecond)
+	}
+	close(gate)
+	wg.Wait()
+
+	require.Equal(t, [][]int{{1}, {4, 5}, {2, 3}, {20}}, rounds(),
+		"4 leads with 5 (9 bytes; 2 more would be 11); 2 leads with 3; 20 goes alone although over the budget")
+}
+
 func TestBatcherMaxOneRunsEveryCallAtOnce(t *testing.T) {
 	gate, started := make(chan struct{}), make(chan struct{}, 1)
 	b, rounds := gatedBatcher(1, gate, started)

@@ -144,7 +144,9 @@ type Config struct {
 	// keys, in a transaction of its own with a 50 ms lock_timeout (a batch that waits
 	// longer on one key, or that the server refuses, rolls back and its calls run one by
 	// one). A call that finds none in flight runs alone at once, so batching adds no
-	// latency without concurrency. The protocol and its guarantees are the same either
+	// latency without concurrency. A completing write also stops taking calls once their
+	// results add up to MaxValueBytes (the first always goes), so large results do not
+	// pile up in one statement. The protocol and its guarantees are the same either
 	// way. Default [MaxBatchDefault] (64); 1 turns batching off: every call sends its own
 	// statements, without the lock_timeout.
 	MaxBatch int
@@ -271,7 +273,8 @@ func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 	}
 	c := &Coordinator{pool: pool, config: cfg, sql: newStatements(cfg.Schema), planEach: planEachExecution(pool.Config().ConnConfig)}
 	c.reserves = &batcher[reserveReq, row]{max: cfg.MaxBatch, run: c.runReserves}
-	c.completes = &batcher[completeReq, struct{}]{max: cfg.MaxBatch, run: c.runCompletes}
+	c.completes = &batcher[completeReq, struct{}]{max: cfg.MaxBatch, run: c.runCompletes,
+		size: func(r completeReq) int { return len(r.result) + len(r.failure) }, maxBytes: cfg.MaxValueBytes}
 	return c, nil
 }
 

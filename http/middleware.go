@@ -419,9 +419,15 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 // client went away, a write timeout): a replay never passes part of a body off as all of
 // it. It is also left out, and then the headers, when the record's JSON would be too long
 // for the coordinator ([pgidem.Config.MaxValueBytes]). A replay without the body it had
-// carries Idempotent-Body-Omitted: true ([HeaderBodyOmitted]). Wrapping the middleware in a
-// writer that buffers and may discard the response ([http.TimeoutHandler]) breaks this:
-// put such a writer inside, around next, or use the server's timeouts.
+// carries Idempotent-Body-Omitted: true ([HeaderBodyOmitted]).
+//
+// Do not use [http.TimeoutHandler] with the middleware. Outside it, it may discard a
+// response the record keeps. Inside it, around next, it answers 503 while next is still
+// running; the 503 is not stored, the key is released, and a retry runs next beside the
+// first run. Bound a request with the server's timeouts (a write that fails then leaves the
+// body out, and next runs once) or with a deadline next observes before it answers. A
+// handler whose effects are keyed with [ScopedKey] stays safe either way: a second run
+// waits for the first run's effects and replays them.
 //
 // Requests the middleware refuses never reach next and are answered with problem details
 // (RFC 9457, Content-Type application/problem+json; [Problem]): a missing key when

@@ -67,7 +67,8 @@ type batcher[Req, Res any] struct {
 // do queues req and returns its outcome once a round carried it. A caller that waits is not
 // interrupted by its context: rounds run on a detached context bounded by FinishTimeout,
 // like the single-key statements, so an outcome is always known. A caller waits for the
-// rounds ahead of it (one, unless more than max callers are queued) and then its own.
+// rounds ahead of it (one, unless more than max callers, or more than the byte budget, are
+// queued) and then its own.
 func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 	it := &batchItem[Req, Res]{req: req, err: errBatchFallback, wake: make(chan bool, 1)}
 	if b.max <= 1 {

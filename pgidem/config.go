@@ -129,10 +129,12 @@ type Config struct {
 	// cancelled while one is blocked returns when it ends, and a reservation made for it
 	// is released at once) and the finishing write — complete, store failure, release —
 	// with its retries (so a cancelled caller never leaves the record stuck in progress).
-	// A write that shares a round ([Config.MaxBatch]) first waits for the round in flight,
-	// and one whose round was refused then runs alone, each bounded by FinishTimeout: a
-	// cancelled caller can wait about two to three times FinishTimeout when the store is
-	// stuck. Keep it well above the store's round trip and lock waits: a finishing write
+	// A write that shares a round ([Config.MaxBatch]) first waits for the rounds queued
+	// ahead of it (one, unless more calls or more result bytes are queued than one round
+	// takes), and one whose round was refused then runs alone, each bounded by
+	// FinishTimeout: a cancelled caller can wait about two to three times FinishTimeout,
+	// or more behind a long queue, when the store is stuck (its heartbeat renews the lease
+	// meanwhile). Keep it well above the store's round trip and lock waits: a finishing write
 	// cut short leaves the record in progress until its lease ends, and the effect then
 	// runs again. Default [FinishTimeoutDefault] (10 s), minimum [FinishTimeoutMin]
 	// (100 ms).

@@ -2,8 +2,6 @@ package pgidemhttp_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -113,7 +111,7 @@ func BenchmarkHandler(b *testing.B) {
 
 	// Warm the fresh database (caches, prepared statements) so neither side pays for
 	// coming first.
-	prefix := benchPrefix()
+	prefix := benchsql.KeyPrefix()
 	for i := range 200 {
 		middleware(prefix + "w" + strconv.Itoa(i))
 		rawFresh(prefix + "w" + strconv.Itoa(i))
@@ -122,7 +120,7 @@ func BenchmarkHandler(b *testing.B) {
 	rawFresh("replayed")
 
 	b.Run("FreshKey", func(b *testing.B) {
-		prefix := benchPrefix()
+		prefix := benchsql.KeyPrefix()
 		var mwTime, rawTime, plainTime time.Duration
 		i := 0
 		for b.Loop() {
@@ -164,10 +162,4 @@ func report(b *testing.B, n int, mw, raw, plain time.Duration) {
 	b.ReportMetric(per(raw), "raw-sql-ns/op")
 	b.ReportMetric(per(plain), "plain-ns/op")
 	b.ReportMetric(float64(mw)/float64(raw), "ratio-vs-raw-sql")
-}
-
-func benchPrefix() string {
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	return hex.EncodeToString(b[:])
 }

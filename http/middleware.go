@@ -718,10 +718,16 @@ func (rec *recorder) capture(code int) {
 	}
 }
 
-func (rec *recorder) Write(p []byte) (int, error) {
+// implicitOK sends the 200 net/http sends for a handler that writes or flushes before
+// any status, unless a status or a protocol switch went out already.
+func (rec *recorder) implicitOK() {
 	if !rec.wrote && !rec.switched && !rec.hijacked {
 		rec.WriteHeader(http.StatusOK)
 	}
+}
+
+func (rec *recorder) Write(p []byte) (int, error) {
+	rec.implicitOK()
 	n, err := rec.ResponseWriter.Write(p)
 	switch {
 	case rec.stored.BodyOmitted:
@@ -739,9 +745,7 @@ func (rec *recorder) Write(p []byte) (int, error) {
 
 // FlushError sends buffered data to the client ([http.ResponseController]).
 func (rec *recorder) FlushError() error {
-	if !rec.wrote && !rec.switched && !rec.hijacked {
-		rec.WriteHeader(http.StatusOK)
-	}
+	rec.implicitOK()
 	err := http.NewResponseController(rec.ResponseWriter).Flush()
 	if err != nil && !errors.Is(err, http.ErrNotSupported) {
 		rec.omitBody() // as for a failed Write

@@ -2,8 +2,6 @@ package pgidem_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
 	"strconv"
 	"sync/atomic"
@@ -24,12 +22,6 @@ import (
 // cheapest possible indexed read of a result, for the "replay vs one indexed read"
 // comparison.
 const benchMinimalReadSQL = benchsql.MinimalReadSQL
-
-func benchPrefix() string {
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	return hex.EncodeToString(b[:])
-}
 
 // benchBaselineFresh sends by hand the three statements of a fresh key through pool.
 func benchBaselineFresh(ctx context.Context, b testing.TB, pool *pgxpool.Pool, key string) {
@@ -74,7 +66,7 @@ func BenchmarkDoConcurrent(b *testing.B) {
 	}
 	for _, v := range variants {
 		b.Run(v.name, func(b *testing.B) {
-			prefix := benchPrefix()
+			prefix := benchsql.KeyPrefix()
 			var n atomic.Int64
 			b.SetParallelism(25) // 25 per GOMAXPROCS: 50 goroutines on this 2-core machine
 			b.RunParallel(func(pb *testing.PB) {
@@ -123,7 +115,7 @@ func BenchmarkDo(b *testing.B) {
 
 	// Warm the fresh database (caches, prepared statements) so neither side pays for
 	// coming first.
-	prefix := benchPrefix()
+	prefix := benchsql.KeyPrefix()
 	for i := range 200 {
 		doFresh(prefix + "w" + strconv.Itoa(i))
 		baselineFresh(prefix + "v" + strconv.Itoa(i))
@@ -131,7 +123,7 @@ func BenchmarkDo(b *testing.B) {
 	doReplay()
 
 	b.Run("FreshKey", func(b *testing.B) {
-		prefix := benchPrefix()
+		prefix := benchsql.KeyPrefix()
 		var pg, base time.Duration
 		i := 0
 		for b.Loop() {

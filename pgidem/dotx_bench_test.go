@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/pgidem/pgidem/internal/benchsql"
 	"github.com/pgidem/pgidem/internal/testdb"
 	"github.com/pgidem/pgidem/pgidem"
 )
@@ -97,7 +98,7 @@ func BenchmarkDoTx(b *testing.B) {
 	ttl := micros(testTTL)
 
 	b.Run("FreshKey/pgidem", func(b *testing.B) {
-		prefix := benchPrefix()
+		prefix := benchsql.KeyPrefix()
 		i := 0
 		for b.Loop() {
 			i++
@@ -107,7 +108,7 @@ func BenchmarkDoTx(b *testing.B) {
 		}
 	})
 	b.Run("FreshKey/baseline", func(b *testing.B) {
-		prefix := benchPrefix()
+		prefix := benchsql.KeyPrefix()
 		i := 0
 		for b.Loop() {
 			i++
@@ -175,7 +176,7 @@ func BenchmarkInbox(b *testing.B) {
 	retention := micros(pgidem.InboxRetentionDefault)
 
 	b.Run("New/pgidem", func(b *testing.B) {
-		prefix := benchPrefix()
+		prefix := benchsql.KeyPrefix()
 		i := 0
 		for b.Loop() {
 			i++
@@ -186,7 +187,7 @@ func BenchmarkInbox(b *testing.B) {
 		}
 	})
 	b.Run("New/baseline", func(b *testing.B) {
-		prefix := benchPrefix()
+		prefix := benchsql.KeyPrefix()
 		i := 0
 		for b.Loop() {
 			i++

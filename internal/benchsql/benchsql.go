@@ -6,6 +6,7 @@ package benchsql
 import (
 	"context"
 	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"time"
 
@@ -134,4 +135,12 @@ func Replay(ctx context.Context, pool *pgxpool.Pool, order Order, namespace, key
 		return nil, errors.New("benchsql: no record to replay")
 	}
 	return result, err
+}
+
+// KeyPrefix returns 8 random hex characters: a prefix that keeps one benchmark run's keys
+// apart from another's in the same database.
+func KeyPrefix() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
 }

@@ -73,9 +73,21 @@
 //
 // # Database effects: WorkTx
 //
-// When the effect is rows in the same database, [WorkTx] commits the rows, the pgidem
-// record and River's job completion (river.JobCompleteTx) in one transaction: a crash at
-// any point leaves all three or none.
+// When the effect is rows in the same database, [WorkTx] writes the rows, the pgidem
+// record and River's job completion (river.JobCompleteTx) in the caller's transaction, so
+// they commit together: a crash at any point leaves all three or none. [WorkInTx] begins
+// and commits the transaction itself (pgidem.DoTx and pgidem.DoInTx divide the same way).
+//
+// # Testing workers
+//
+// River's rivertest.Worker runs a config's worker middleware, so a worker can be tested
+// with the middleware: register the args type ([Middleware.Register]) since rivertest
+// takes the worker alone, and pass the middleware in the config. The middleware's records
+// are written on the coordinator's pool, outside the test's transaction, so use keys
+// unique to the test. A worker using [WorkTx] can take its transaction from the test's
+// (pgx's Tx.Begin makes a savepoint): the rows, the record and the job then all roll back
+// with it. [WorkInTx] cannot run there: its own transaction does not see the job the test
+// inserted.
 //
 // # Housekeeping
 //

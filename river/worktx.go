@@ -14,72 +14,96 @@ import (
 	"github.com/pgidem/pgidem/pgidem"
 )
 
-// ErrJobNotRunning is matched (errors.Is) by the error of [WorkTx] and [WorkTxResult] when
-// the job was no longer running at completion, so its transaction was rolled back.
+// ErrJobNotRunning is matched (errors.Is) by the error of [WorkTx], [WorkInTx] and their
+// Result forms when the job was no longer running at completion: its transaction must not
+// (WorkTx) or did not (WorkInTx) commit.
 var ErrJobNotRunning = errors.New("pgidemriver: job is no longer running")
 
-// WorkTx makes a job's database effect exactly-once: in one transaction on the
-// coordinator's pool it runs fn under (namespace, key) with [pgidem.DoTxResult] — fn's
-// writes and the key's completed record — and marks the job completed with
-// river.JobCompleteTx, then commits. It is [WorkTxResult] without the detail; see there.
-func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
-	res, err := WorkTxResult(ctx, c, job, namespace, key, ttl, opts, fn)
+// WorkTx makes a job's database effect exactly-once in the caller's transaction tx: it runs
+// fn under (namespace, key) with [pgidem.DoTxResult] — fn's writes and the key's completed
+// record — and marks the job completed in tx with river.JobCompleteTx. The caller commits.
+// It is [WorkTxResult] without the detail; see there.
+func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, tx pgx.Tx, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
+	res, err := WorkTxResult(ctx, c, tx, job, namespace, key, ttl, opts, fn)
 	return res.Value, err
 }
 
-// WorkTxResult runs a job's database effect and its completion in one transaction and
-// reports how the value was obtained. Call it from a River worker's Work with the job
-// River passed in, and return its error as is.
+// WorkTxResult runs a job's database effect and its completion in the caller's
+// transaction tx and reports how the value was obtained. Call it from a River worker's
+// Work with the job River passed in; commit tx when it returns nil, or an error matching
+// [pgidem.ErrPermanent]; otherwise roll tx back. Return its error from Work as is.
+//
+//	func (w *ShipWorker) Work(ctx context.Context, job *river.Job[ShipArgs]) error {
+//		tx, err := w.db.Begin(ctx) // a *pgxpool.Pool; in tests, rivertest's transaction
+//		if err != nil {
+//			return err
+//		}
+//		defer tx.Rollback(ctx)
+//		_, err = pgidemriver.WorkTx(ctx, w.coord, tx, job, "shipments", job.Args.OrderRef(), 7*24*time.Hour, nil,
+//			func(ctx context.Context, tx pgx.Tx) (int64, error) { return insertShipment(ctx, tx, job.Args) })
+//		if err != nil && !errors.Is(err, pgidem.ErrPermanent) {
+//			return err
+//		}
+//		if cerr := tx.Commit(ctx); cerr != nil {
+//			return cerr
+//		}
+//		return err
+//	}
+//
+// [WorkInTx] is this with the transaction begun and ended for you.
 //
 // Business rows, the pgidem record and the job's completed state commit together or not at
 // all. River completes jobs asynchronously in batches after Work returns; a process that
-// dies in between gets the job again — here the completion is already committed with the
-// effect, so that redelivery cannot happen, and a crash anywhere before the commit leaves
-// none of the three (the retry runs fn again). A redelivery that does reach a committed key
-// (the rescuer's duplicate, a second job for the same effect) replays the stored value,
-// without running fn, and completes its own job in the same way.
+// dies in between gets the job again — here the completion commits with the effect, so
+// that redelivery cannot happen, and a crash anywhere before the commit leaves none of the
+// three (the retry runs fn again). A redelivery that does reach a committed key (the
+// rescuer's duplicate, a second job for the same effect) replays the stored value, without
+// running fn, and completes its own job in the same way.
+//
+// Because the transaction is the caller's, a worker can be tested with River's
+// rivertest.Worker: begin tx from (or as a savepoint of) the test's transaction, and the
+// job, the rows and the record all roll back with it.
 //
 // namespace, key, ttl and opts follow [pgidem.DoTxResult]: an invalid key or TTL returns
-// its error and nothing runs. The key must differ from the one the [Middleware] reserved
+// its error and nothing runs. tx must be on the coordinator's database and under READ
+// COMMITTED (see DoTxResult). The key must differ from the one the [Middleware] reserved
 // for the same job — DoTx would find that reservation in progress — so exclude the kind
 // from the middleware ([Config.ExcludeKinds]) or use another namespace; the same key
 // returns an error at once.
 //
-// Errors, with the transaction rolled back unless noted:
+// Errors (tx holds nothing to keep unless noted):
 //   - fn's error, unchanged: fn's writes are undone and River retries the job.
 //   - another transaction holds the key (after the wait of [pgidem.InFlightWait], or at
 //     once under [pgidem.InFlightRaise]): river.JobSnooze with the retry-after hint
 //     clamped to [SnoozeMinDefault] and [SnoozeMaxDefault], which uses no attempt; the next
 //     delivery replays.
-//   - a [pgidem.Permanent] error from fn: the failure is stored and committed (fn's writes
-//     are undone) and river.JobCancel wrapping it is returned, so River stops; later jobs
-//     with the key replay the failure and are cancelled too.
+//   - a [pgidem.Permanent] error from fn: the failure is written in tx (fn's writes are
+//     undone) and river.JobCancel wrapping it is returned, matching pgidem.ErrPermanent:
+//     commit tx to keep the failure, and River stops; later jobs with the key replay the
+//     failure and are cancelled too. (A replayed stored failure, or one that could not be
+//     stored, also matches ErrPermanent; committing then writes nothing.)
 //   - the job is no longer running when WorkTx completes it (River's rescuer made it
 //     retryable or discarded it meanwhile, or it was cancelled; river.JobCompleteTx then
-//     changes nothing): an error matching [ErrJobNotRunning], so the effect is not
-//     committed without the completion; wherever River runs the job next, the effect runs
+//     changes nothing): an error matching [ErrJobNotRunning]. Roll back, or the effect
+//     commits without the completion; wherever River runs the job next, the effect runs
 //     there.
-//   - a database error: a [*pgidem.StoreError]; a failed begin, job completion or commit:
-//     an error prefixed "pgidemriver: ". River retries.
+//   - a database error: a [*pgidem.StoreError]; a failed job completion: an error prefixed
+//     "pgidemriver: ". River retries.
+//   - a nil coordinator, tx or job: an error, and nothing runs.
 //
-// Cancelling ctx aborts the transaction. Safe for concurrent use.
-func WorkTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (pgidem.Result[T], error) {
+// Cancelling ctx makes WorkTx return ctx's error (pgx may then close tx's connection).
+// Safe for concurrent use on different transactions; a pgx.Tx itself is not.
+func WorkTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, tx pgx.Tx, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (pgidem.Result[T], error) {
 	var res pgidem.Result[T]
-	if c == nil || job == nil {
-		return res, errors.New("pgidemriver: WorkTx: coordinator and job must not be nil")
+	if c == nil || tx == nil || job == nil {
+		return res, errors.New("pgidemriver: WorkTx: coordinator, transaction and job must not be nil")
 	}
 	if ns, k, ok := pgidem.KeyFromContext(ctx); ok && ns == namespace && k == key {
 		return res, fmt.Errorf("pgidemriver: WorkTx: %s/%s is the key the middleware already reserved for job %d; "+
 			"add kind %q to Config.ExcludeKinds or use another namespace", namespace, key, job.ID, job.Kind)
 	}
 
-	tx, err := c.Pool().BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-	if err != nil {
-		return res, fmt.Errorf("pgidemriver: WorkTx: begin: %w", err)
-	}
-	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after commit
-
-	res, err = pgidem.DoTxResult(ctx, c, tx, namespace, key, ttl, opts, fn)
+	res, err := pgidem.DoTxResult(ctx, c, tx, namespace, key, ttl, opts, fn)
 	var inProgress *pgidem.InProgressError
 	switch {
 	case err == nil:
@@ -87,14 +111,6 @@ func WorkTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coo
 		// Clamped like the middleware's snooze: never a busy loop, never a whole lease.
 		return res, river.JobSnooze(min(max(inProgress.RetryAfter, SnoozeMinDefault), SnoozeMaxDefault))
 	case errors.Is(err, pgidem.ErrPermanent):
-		var stored *pgidem.StoredFailureError
-		if !errors.As(err, &stored) && !errors.Is(err, pgidem.ErrStoreUnavailable) {
-			// A fresh permanent failure, stored in tx: commit it. (One that could not be
-			// stored matches ErrStoreUnavailable; tx then holds nothing worth committing.)
-			if cerr := tx.Commit(ctx); cerr != nil {
-				return res, fmt.Errorf("pgidemriver: WorkTx: commit stored failure: %w", cerr)
-			}
-		}
 		return res, river.JobCancel(err)
 	default:
 		return res, err
@@ -108,11 +124,61 @@ func WorkTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coo
 		// River leaves a job that is no longer running as it is and returns it without an
 		// error: the rescuer made it retryable or discarded it meanwhile, or it was
 		// cancelled. Committing would keep the effect without the completion.
-		return res, fmt.Errorf("pgidemriver: WorkTx: job %d is %s, no longer running; rolled back: %w",
+		return res, fmt.Errorf("pgidemriver: WorkTx: job %d is %s, no longer running; roll back: %w",
 			job.ID, completed.State, ErrJobNotRunning)
 	}
+	return res, nil
+}
+
+// WorkInTx makes a job's database effect exactly-once in a transaction of its own: it
+// begins a transaction on the coordinator's pool (READ COMMITTED), runs [WorkTx] in it
+// and commits. It is [WorkInTxResult] without the detail; see there.
+func WorkInTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
+	res, err := WorkInTxResult(ctx, c, job, namespace, key, ttl, opts, fn)
+	return res.Value, err
+}
+
+// WorkInTxResult is [WorkTxResult] in a transaction of its own, begun on the coordinator's
+// pool (READ COMMITTED) and committed when WorkTxResult returns nil or a fresh
+// [pgidem.Permanent] failure (so the stored failure is kept; the river.JobCancel error is
+// still returned); on any other error it is rolled back, so nothing of fn's survives.
+// Call it from a River worker's Work and return its error as is.
+//
+// Its errors are WorkTxResult's, and: a failed begin or commit returns an error prefixed
+// "pgidemriver: " (River retries; a connection lost during COMMIT leaves it uncertain
+// whether it committed — if it did, the retry replays). Because the transaction is not the
+// caller's, a worker that uses WorkInTx cannot be worked by rivertest.Worker, whose job
+// lives in the test's uncommitted transaction; use [WorkTx] there.
+//
+// Cancelling ctx aborts the transaction. Safe for concurrent use.
+func WorkInTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (pgidem.Result[T], error) {
+	var res pgidem.Result[T]
+	if c == nil || job == nil {
+		return res, errors.New("pgidemriver: WorkInTx: coordinator and job must not be nil")
+	}
+	tx, err := c.Pool().BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	if err != nil {
+		return res, fmt.Errorf("pgidemriver: WorkInTx: begin: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after commit
+
+	res, err = WorkTxResult(ctx, c, tx, job, namespace, key, ttl, opts, fn)
+	var stored *pgidem.StoredFailureError
+	switch {
+	case err == nil:
+	case errors.Is(err, pgidem.ErrPermanent) && !errors.As(err, &stored) && !errors.Is(err, pgidem.ErrStoreUnavailable):
+		// A fresh permanent failure, written in tx: commit it. (A replayed one is already
+		// stored; one that could not be stored matches ErrStoreUnavailable, and tx then
+		// holds nothing worth committing.)
+		if cerr := tx.Commit(ctx); cerr != nil {
+			return res, fmt.Errorf("pgidemriver: WorkInTx: commit stored failure: %w", cerr)
+		}
+		return res, err
+	default:
+		return res, err
+	}
 	if err := tx.Commit(ctx); err != nil {
-		return res, fmt.Errorf("pgidemriver: WorkTx: commit: %w", err)
+		return res, fmt.Errorf("pgidemriver: WorkInTx: commit: %w", err)
 	}
 	return res, nil
 }

@@ -2,6 +2,7 @@ package pgidemriver_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -25,26 +26,52 @@ type ShipArgs struct {
 func (ShipArgs) Kind() string { return "order.ship" }
 
 // shipWorker writes the shipment, its pgidem record and the job's completion in one
-// transaction through WorkTx.
+// transaction: its own through WorkInTx, or, when begin is set, one it begins and commits
+// around WorkTx (begin may be a pool's or a test transaction's Begin).
 type shipWorker struct {
 	river.WorkerDefaults[ShipArgs]
 	coord *pgidem.Coordinator
-	inTx  func(ctx context.Context, jobID int64) // nil: none; called inside the transaction after the shipment row
-	errs  chan error                             // nil: none; receives each WorkTx error
+	begin func(ctx context.Context) (pgx.Tx, error) // nil: WorkInTx
+	opts  *pgidem.DoOpts                            // nil: the coordinator's
+	inTx  func(ctx context.Context, jobID int64)    // nil: none; called inside the transaction after the shipment row
+	errs  chan error                                // nil: none; receives each WorkTx error
 }
 
 func (w *shipWorker) Work(ctx context.Context, job *river.Job[ShipArgs]) error {
-	_, err := pgidemriver.WorkTx(ctx, w.coord, job, "orders", fmt.Sprintf("order-%d.ship", job.Args.OrderID), testTTL, nil,
-		func(ctx context.Context, tx pgx.Tx) (int64, error) {
-			var id int64
-			err := tx.QueryRow(ctx, "INSERT INTO shipments (order_id, job_id) VALUES ($1, $2) RETURNING id", job.Args.OrderID, job.ID).Scan(&id)
-			if err == nil && w.inTx != nil {
-				w.inTx(ctx, job.ID)
-			}
-			return id, err
-		})
+	key := fmt.Sprintf("order-%d.ship", job.Args.OrderID)
+	fn := func(ctx context.Context, tx pgx.Tx) (int64, error) {
+		var id int64
+		err := tx.QueryRow(ctx, "INSERT INTO shipments (order_id, job_id) VALUES ($1, $2) RETURNING id", job.Args.OrderID, job.ID).Scan(&id)
+		if err == nil && w.inTx != nil {
+			w.inTx(ctx, job.ID)
+		}
+		return id, err
+	}
+	var err error
+	if w.begin == nil {
+		_, err = pgidemriver.WorkInTx(ctx, w.coord, job, "orders", key, testTTL, w.opts, fn)
+	} else {
+		err = w.workTx(ctx, job, key, fn)
+	}
 	if w.errs != nil {
 		w.errs <- err
+	}
+	return err
+}
+
+// workTx is the pattern WorkTx's docs show: commit on success or a permanent failure.
+func (w *shipWorker) workTx(ctx context.Context, job *river.Job[ShipArgs], key string, fn func(context.Context, pgx.Tx) (int64, error)) error {
+	tx, err := w.begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after commit
+	_, err = pgidemriver.WorkTx(ctx, w.coord, tx, job, "orders", key, testTTL, w.opts, fn)
+	if err != nil && !errors.Is(err, pgidem.ErrPermanent) {
+		return err
+	}
+	if cerr := tx.Commit(ctx); cerr != nil {
+		return cerr
 	}
 	return err
 }
@@ -59,58 +86,33 @@ func (b *bundle) shipState(t *testing.T, jobID int64) (shipments int, record boo
 	return shipments, record, jobState
 }
 
+// shipModes are the two ways of running shipWorker: WorkInTx, and WorkTx in a transaction
+// the worker begins on the pool.
+var shipModes = []struct {
+	name  string
+	begin func(b *bundle) func(context.Context) (pgx.Tx, error)
+}{
+	{"WorkInTx", func(*bundle) func(context.Context) (pgx.Tx, error) { return nil }},
+	{"WorkTx", func(b *bundle) func(context.Context) (pgx.Tx, error) { return b.db.Pool.Begin }},
+}
+
 // TestWorkTx: after success the business row, the record and the job's completion are
-// all present; after a worker process is SIGKILLed mid-transaction all three are absent,
-// and the rescued retry makes them present exactly once.
+// all present (with WorkInTx and with WorkTx in the worker's own transaction); after a
+// worker process is SIGKILLed mid-transaction all three are absent, and the rescued retry
+// makes them present exactly once.
 func TestWorkTx(t *testing.T) {
 	t.Parallel()
 
-	t.Run("Success", func(t *testing.T) {
-		t.Parallel()
-		b := setup(t)
-		_, err := b.db.Pool.Exec(b.ctx, shipmentsSchema)
-		require.NoError(t, err)
-		workers := river.NewWorkers()
-		river.AddWorker(workers, &shipWorker{coord: b.coord})
-		b.startClient(t, riverConfig(t, workers))
-
-		id := b.insert(t, ShipArgs{OrderID: 9}, nil)
-		second := b.insert(t, ShipArgs{OrderID: 9}, nil) // a second job for the same shipment
-		b.waitJob(t, id, rivertype.JobStateCompleted)
-		b.waitJob(t, second, rivertype.JobStateCompleted)
-		shipments, record, state := b.shipState(t, id)
-		require.Equal(t, 1, shipments, "one shipment for two jobs")
-		require.True(t, record)
-		require.Equal(t, rivertype.JobStateCompleted, state)
-	})
-
-	// River's rescuer discards (or makes retryable) a job that still runs; WorkTx must not
-	// commit the effect without the completion River then refuses.
-	t.Run("JobNoLongerRunning", func(t *testing.T) {
-		t.Parallel()
-		b := setup(t)
-		_, err := b.db.Pool.Exec(b.ctx, shipmentsSchema)
-		require.NoError(t, err)
-		errs := make(chan error, 1)
-		workers := river.NewWorkers()
-		river.AddWorker(workers, &shipWorker{coord: b.coord, errs: errs, inTx: func(ctx context.Context, jobID int64) {
-			_, err := b.db.Pool.Exec(ctx, "UPDATE river_job SET state = 'discarded', finalized_at = now() WHERE id = $1", jobID)
-			require.NoError(t, err)
-		}})
-		b.startClient(t, riverConfig(t, workers))
-
-		id := b.insert(t, ShipArgs{OrderID: 9}, nil)
-		select {
-		case err := <-errs:
-			require.ErrorIs(t, err, pgidemriver.ErrJobNotRunning)
-		case <-time.After(30 * time.Second):
-			t.Fatal("the job did not run")
-		}
-		shipments, record, state := b.shipState(t, id)
-		require.Zero(t, shipments, "the shipment rolled back")
-		require.False(t, record, "no record")
-		require.Equal(t, rivertype.JobStateDiscarded, state)
-	})
+	for _, mode := range shipModes {
+		t.Run("Success"+mode.name, func(t *testing.T) {
+			t.Parallel()
+			testWorkTxSuccess(t, mode.begin)
+		})
+		t.Run("JobNoLongerRunning"+mode.name, func(t *testing.T) {
+			t.Parallel()
+			testWorkTxJobNoLongerRunning(t, mode.begin)
+		})
+	}
 
 	t.Run("CrashMidTransaction", func(t *testing.T) {
 		t.Parallel()
@@ -138,4 +140,49 @@ func TestWorkTx(t *testing.T) {
 		require.Equal(t, 1, shipments)
 		require.True(t, record)
 	})
+}
+
+func testWorkTxSuccess(t *testing.T, begin func(b *bundle) func(context.Context) (pgx.Tx, error)) {
+	b := setup(t)
+	_, err := b.db.Pool.Exec(b.ctx, shipmentsSchema)
+	require.NoError(t, err)
+	workers := river.NewWorkers()
+	river.AddWorker(workers, &shipWorker{coord: b.coord, begin: begin(b)})
+	b.startClient(t, riverConfig(t, workers))
+
+	id := b.insert(t, ShipArgs{OrderID: 9}, nil)
+	second := b.insert(t, ShipArgs{OrderID: 9}, nil) // a second job for the same shipment
+	b.waitJob(t, id, rivertype.JobStateCompleted)
+	b.waitJob(t, second, rivertype.JobStateCompleted)
+	shipments, record, state := b.shipState(t, id)
+	require.Equal(t, 1, shipments, "one shipment for two jobs")
+	require.True(t, record)
+	require.Equal(t, rivertype.JobStateCompleted, state)
+}
+
+// testWorkTxJobNoLongerRunning: River's rescuer discards (or makes retryable) a job that
+// still runs; WorkTx must not commit the effect without the completion River then refuses.
+func testWorkTxJobNoLongerRunning(t *testing.T, begin func(b *bundle) func(context.Context) (pgx.Tx, error)) {
+	b := setup(t)
+	_, err := b.db.Pool.Exec(b.ctx, shipmentsSchema)
+	require.NoError(t, err)
+	errs := make(chan error, 1)
+	workers := river.NewWorkers()
+	river.AddWorker(workers, &shipWorker{coord: b.coord, begin: begin(b), errs: errs, inTx: func(ctx context.Context, jobID int64) {
+		_, err := b.db.Pool.Exec(ctx, "UPDATE river_job SET state = 'discarded', finalized_at = now() WHERE id = $1", jobID)
+		require.NoError(t, err)
+	}})
+	b.startClient(t, riverConfig(t, workers))
+
+	id := b.insert(t, ShipArgs{OrderID: 9}, nil)
+	select {
+	case err := <-errs:
+		require.ErrorIs(t, err, pgidemriver.ErrJobNotRunning)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the job did not run")
+	}
+	shipments, record, state := b.shipState(t, id)
+	require.Zero(t, shipments, "the shipment rolled back")
+	require.False(t, record, "no record")
+	require.Equal(t, rivertype.JobStateDiscarded, state)
 }

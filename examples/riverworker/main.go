@@ -113,7 +113,7 @@ type mailWorker[T orderArgs] struct {
 	pool *pgxpool.Pool
 	row  string
 	slow func(ctx context.Context)
-	// coord, when set, also writes the invoice row with WorkTx (the main demo).
+	// coord, when set, also writes the invoice row with WorkInTx (the main demo).
 	coord *pgidem.Coordinator
 }
 
@@ -133,7 +133,7 @@ func (w *mailWorker[T]) Work(ctx context.Context, job *river.Job[T]) error {
 	}
 	// The invoice row, its record and the job's completion commit together. Its namespace
 	// differs from the middleware's, which holds the mail's key.
-	_, err = pgidemriver.WorkTx(ctx, w.coord, job, "invoices", fmt.Sprintf("order-%d", job.Args.order()), 8*24*time.Hour, nil,
+	_, err = pgidemriver.WorkInTx(ctx, w.coord, job, "invoices", fmt.Sprintf("order-%d", job.Args.order()), 8*24*time.Hour, nil,
 		func(ctx context.Context, tx pgx.Tx) (int64, error) {
 			var id int64
 			err := tx.QueryRow(ctx, "INSERT INTO invoices (order_id, receipt) VALUES ($1, $2) RETURNING id", job.Args.order(), receipt).Scan(&id)
@@ -224,9 +224,9 @@ func clientConfig(queue string, workers *river.Workers, middleware ...rivertype.
 }
 
 // invoices is the program itself: the mail.invoice job keyed by order, under the
-// middleware, writing its invoice row with WorkTx, with the periodic sweeper.
+// middleware, writing its invoice row with WorkInTx, with the periodic sweeper.
 func (d *demo) invoices(ctx context.Context) ([]Row, error) {
-	fmt.Fprintln(d.w, "river worker  mail.invoice keyed by order: middleware, WorkTx, periodic sweeper")
+	fmt.Fprintln(d.w, "river worker  mail.invoice keyed by order: middleware, WorkInTx, periodic sweeper")
 	coord, err := d.newCoordinator(nil)
 	if err != nil {
 		return nil, err
@@ -296,7 +296,7 @@ func (d *demo) invoices(ctx context.Context) ([]Row, error) {
 		Scan(&r.Mails, &r.Invoices); err != nil {
 		return nil, err
 	}
-	fmt.Fprintf(d.w, "  %-44s mails sent=%d invoice rows=%d (WorkTx) expired records swept=%d\n", r.Name, r.Mails, r.Invoices, r.Swept)
+	fmt.Fprintf(d.w, "  %-44s mails sent=%d invoice rows=%d (WorkInTx) expired records swept=%d\n", r.Name, r.Mails, r.Invoices, r.Swept)
 	return []Row{r}, nil
 }
 

@@ -77,8 +77,8 @@
 //
 // Records live in pgidem_record like any other, in [Config.Namespace] ("http") under
 // [RecordKey]; the result column holds the response as JSON (status, header, and the body
-// as "text" when it is UTF-8, else base64 "body"), in plain JSON for the TTL. Expired
-// records are deleted by a sweep you schedule: [pgidem.Coordinator.Sweep], `pgidem sweep`
-// from cron, or the River periodic job of package pgidemriver. Every distinct key a client
-// sends is a record until then.
+// as "text" when it is UTF-8 without NUL characters, which jsonb cannot hold, else base64
+// "body"), in plain JSON for the TTL. Expired records are deleted by a sweep you
+// schedule: [pgidem.Coordinator.Sweep], `pgidem sweep` from cron, or the River periodic
+// job of package pgidemriver. Every distinct key a client sends is a record until then.
 package pgidemhttp

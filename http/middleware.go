@@ -335,7 +335,7 @@ func isToken(s string) bool {
 type storedResponse struct {
 	Status int         `json:"status"`
 	Header http.Header `json:"header,omitempty"`
-	// Text is the body when it is UTF-8 text (readable in the record), Body otherwise
+	// Text is the body when it is UTF-8 text without NUL (readable in the record), Body otherwise
 	// (base64 in the record's JSON).
 	Text string `json:"text,omitempty"`
 	Body []byte `json:"body,omitempty"`

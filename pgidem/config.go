@@ -106,18 +106,23 @@ type Config struct {
 	Lease time.Duration
 
 	// MinTTL is the shortest record TTL a call may ask for; shorter TTLs return
-	// [ErrInvalidTTL] (never a silent clamp). Default [MinTTLDefault] (1 minute).
+	// [ErrInvalidTTL] (never a silent clamp). Default [MinTTLDefault] (1 minute); it must
+	// be longer than Lease, or NewCoordinator returns an error.
 	MinTTL time.Duration
 
 	// InFlight is the policy for an in-progress key. Default [InFlightWait].
 	InFlight InFlightPolicy
 
 	// WaitTimeout bounds how long [InFlightWait] waits before returning [ErrInProgress];
-	// the caller's context bounds it too. Default [WaitTimeoutDefault] (1 minute).
+	// the caller's context bounds it too. Default [WaitTimeoutDefault] (1 minute); a
+	// negative value makes NewCoordinator return an error.
 	WaitTimeout time.Duration
 
-	// PollIntervalMin is the first pause of the jittered exponential backoff between
-	// reads while waiting ([InFlightWait]). Default [PollIntervalMinDefault] (10 ms).
+	// PollIntervalMin is the first pause of the exponential backoff between reads while
+	// waiting ([InFlightWait]); the pause doubles after each read. Each pause is jittered
+	// to between half and one and a half times the backoff (so waiters do not poll in
+	// lockstep), and never exceeds PollIntervalMax, the holder's remaining lease or the
+	// time left to wait. Default [PollIntervalMinDefault] (10 ms); not negative.
 	PollIntervalMin time.Duration
 	// PollIntervalMax is the longest pause of that backoff. Default
 	// [PollIntervalMaxDefault] (1 s); at least PollIntervalMin, at most

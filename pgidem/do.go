@@ -35,7 +35,7 @@ type DoOpts struct {
 	WaitTimeout time.Duration
 
 	// Lease overrides [Config.Lease] for this call; at least [LeaseMin] and shorter than
-	// the TTL. Default 0: the config's.
+	// the TTL, or the call returns an [*InvalidTTLError]. Default 0: the config's.
 	Lease time.Duration
 
 	// ReserveFirst skips the indexed read a call starts with and goes straight to the
@@ -89,8 +89,8 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // record counts, measured from completion (while in progress, from the holder's last
 // heartbeat: its record expires a ttl after its lease, so a dead holder is always taken
 // over first): at least [Config.MinTTL] and longer than the lease, or [*InvalidTTLError].
-// Make it outlive the queue's retry and retention horizon. A nil c or fn, a [DoOpts] field
-// out of range, or a call for the key from within the fn of a call holding it (it would
+// Make it outlive the queue's retry and retention horizon ([DoOpts.Lease] out of range
+// returns the same error). A nil c or fn, another [DoOpts] field out of range, or a call for the key from within the fn of a call holding it (it would
 // wait for itself) returns an error matching [ErrInvalidArgument]; fn is not run.
 //
 // The first caller reserves the key and runs fn with a context that carries the key
@@ -411,7 +411,7 @@ func (w *waiter) inProgress(ctx context.Context, r *row) error {
 		c.emit(ctx, EventInProgress, cl.namespace, 1)
 		return inProgress
 	}
-	sleep := min(jitter(w.backoff), retryAfter+time.Millisecond, remaining)
+	sleep := min(jitter(w.backoff), c.config.PollIntervalMax, retryAfter+time.Millisecond, remaining)
 	if w.maxSleep > 0 {
 		sleep = min(sleep, w.maxSleep)
 	}

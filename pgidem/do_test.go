@@ -813,6 +813,34 @@ func TestSweep(t *testing.T) {
 	require.Equal(t, 6, b.count(t), "live records and the held reservation stay")
 }
 
+// A sweep whose context ends mid-statement returns the context's error, and it is not a
+// store error: nothing is logged at error or counted (a River sweep job cut short by its
+// timeout used to count as one). The cut batch rolls back.
+func TestSweepCancelledMidStatement(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, result, expires_at)
+		SELECT 'sweep', 'expired-' || i, 'completed', gen_random_uuid(), 'null'::jsonb, now() - interval '1 minute'
+		FROM generate_series(1, 5) i;
+	CREATE FUNCTION slow_delete() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN PERFORM pg_sleep(0.5); RETURN OLD; END$$;
+	CREATE TRIGGER slow_delete BEFORE DELETE ON pgidem_record FOR EACH ROW EXECUTE FUNCTION slow_delete()`)
+	require.NoError(t, err)
+	var storeErrors atomic.Int64
+	coord := b.newCoord(t, &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		if e.Kind == pgidem.EventStoreError {
+			storeErrors.Add(1)
+		}
+	})})
+	ctx, cancel := context.WithTimeout(b.ctx, 300*time.Millisecond) // the batch takes 2.5 s
+	defer cancel()
+	res, err := coord.Sweep(ctx, nil)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+	require.Zero(t, res.Records)
+	require.Zero(t, storeErrors.Load())
+	require.Equal(t, 5, b.count(t), "the cut batch rolled back")
+}
+
 func TestNilArguments(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

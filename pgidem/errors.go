@@ -64,7 +64,8 @@ var (
 
 	// ErrInvalidArgument means a setting or argument other than the key and the TTL is
 	// invalid: a [Config] field out of range ([NewCoordinator]), a nil coordinator, pool,
-	// transaction or fn, a [DoOpts] or [SweepOpts] field out of range, or a read-only
+	// transaction or fn, a [DoOpts] field other than Lease (an [*InvalidTTLError]) or a
+	// [SweepOpts] field out of range, or a read-only
 	// transaction given to [DoTx] (which must write the record). The error's message names
 	// the field. fn is not run.
 	ErrInvalidArgument = errors.New("pgidem: invalid argument")
@@ -168,9 +169,10 @@ func (e *FingerprintMismatchError) Is(target error) bool { return target == ErrF
 // driver's error, so a *pgconn.PgError can be inspected with [errors.As].
 type StoreError struct {
 	// Op is the protocol step that failed: "reserve", "takeover", "complete", "release",
-	// "lookup", "sweep"; for DoTx and the inbox also "begin", "lock", "savepoint",
-	// "commit", "inbox". (A failed heartbeat is logged and reported as an event, not
-	// returned.)
+	// "lookup", "sweep"; "heartbeat" for the renewal Do makes before fn starts when the
+	// reserving statement waited a third of the lease or more (fn then does not run); for
+	// DoTx and the inbox also "begin", "lock", "savepoint", "commit", "inbox". (A failed
+	// renewal while fn runs is logged and reported as an event, not returned.)
 	Op string
 	// Err is the underlying error.
 	Err error
@@ -285,7 +287,9 @@ func (e *PermanentError) Is(target error) bool { return target == ErrPermanent }
 type StoredFailureError struct {
 	// Namespace and Key identify the record.
 	Namespace, Key string
-	// Message is the original error's message.
+	// Message is the original error's message, as stored: a NUL character is written as
+	// the two characters \0 (jsonb cannot hold one) and a message over 64 KiB is cut at a
+	// character boundary and ends in " … (truncated)".
 	Message string
 	// NotStorable is true when the stored failure is an unencodable result rather than an
 	// error from fn.

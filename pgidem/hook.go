@@ -54,8 +54,11 @@ type Event struct {
 }
 
 // Hook receives outcome events, typically to increment counters (package pgidemotel,
-// github.com/pgidem/pgidem/otel, adds each event to an OpenTelemetry counter). OnEvent is called synchronously on the caller's goroutine, possibly from
-// many goroutines at once: it must be fast and safe for concurrent use.
+// github.com/pgidem/pgidem/otel, adds each event to an OpenTelemetry counter). OnEvent is
+// called synchronously, mostly on the goroutine of the call the event is about; a failed
+// lease renewal's [EventStoreError] comes from that call's heartbeat goroutine, with a
+// context detached from the caller's. It is called from many goroutines at once: it must
+// be fast and safe for concurrent use.
 type Hook interface {
 	OnEvent(ctx context.Context, event Event)
 }

@@ -35,8 +35,10 @@ type SweepResult struct {
 // deleted from each table. Expired rows already behave as absent, so sweeping only
 // reclaims space; in-progress records under a live lease are never deleted. Concurrent
 // sweeps (two River leaders during a handover, cron and a River job) split the rows with
-// SKIP LOCKED instead of blocking. Cancelling ctx stops between batches and returns what
-// was deleted so far with ctx's error. Database errors are returned as [*StoreError].
+// SKIP LOCKED instead of blocking. Cancelling ctx (or its deadline passing) stops the sweep,
+// between batches or mid-statement (that batch rolls back), and returns what was deleted
+// so far with ctx's error, neither logged nor counted as a store error. Database errors are
+// returned as [*StoreError], logged at error and counted ([EventStoreError]).
 func (c *Coordinator) Sweep(ctx context.Context, opts *SweepOpts) (*SweepResult, error) {
 	if opts == nil {
 		opts = &SweepOpts{}
@@ -69,6 +71,11 @@ func (c *Coordinator) sweepTable(ctx context.Context, sql string, batch int, opt
 		}
 		tag, err := c.pool.Exec(ctx, sql, batch)
 		if err != nil {
+			if ctxErr := ctx.Err(); ctxErr != nil {
+				// Cancelled or past its deadline mid-statement: the caller's doing, not
+				// the store's (the batch rolled back; the earlier ones stay deleted).
+				return total, ctxErr
+			}
 			return total, c.reportStoreError(ctx, "", storeError("sweep", err), slog.Int64("deleted", total))
 		}
 		n := tag.RowsAffected()

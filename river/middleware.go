@@ -118,11 +118,18 @@ const (
 	// ActionCancelled: the effect failed permanently (the worker returned a
 	// [pgidem.Permanent] error, now or on an earlier job with the key, possibly wrapped in
 	// its own river.JobCancel); the failure was stored and the job cancelled with
-	// river.JobCancel so River does not retry it.
+	// river.JobCancel so River does not retry it. When the store kept failing, the job is
+	// cancelled all the same but the failure is not stored ([Outcome.RecordNotCompleted]):
+	// a later job with the key takes the record over once its lease ends and runs the
+	// worker again.
 	ActionCancelled Action = "cancelled"
 	// ActionError: the middleware could not decide (invalid key, undecodable args, store
-	// unreachable, the lease lost while the worker ran); the error was returned to River,
-	// which retries the job.
+	// unreachable), or the lease was lost while the worker ran, whatever the worker
+	// returned (its failure, permanent or not, is then neither released nor stored: the
+	// record is the new holder's). The error was returned to River, which retries the job
+	// and replays or waits for the new holder's outcome — unless the worker's own
+	// river.JobSnooze or river.JobCancel error, which passes through unchanged, says
+	// otherwise.
 	ActionError Action = "error"
 	// ActionSkipped: the kind is excluded ([Config.ExcludeKinds], [SweepKind]); the
 	// worker ran without a reservation.
@@ -160,11 +167,13 @@ type Outcome struct {
 	// record is completed without it, so the effect is not repeated, and the job completes
 	// ([ActionExecuted]); replays of the key complete without output ([ActionReplayed]).
 	OutputNotStored bool
-	// RecordNotCompleted is true when the worker succeeded but pgidem could not complete
+	// RecordNotCompleted is true when the worker finished but pgidem could not complete
 	// its record because the store kept failing through pgidem's finishing retries
-	// ([pgidem.ErrStoreUnavailable]). The job completes all the same ([ActionExecuted],
-	// logged at error): its effect ran, and a retry of the job would take the reservation
-	// over once its lease ends and run the effect again. The record stays in progress
+	// ([pgidem.ErrStoreUnavailable]). A worker that succeeded completes its job all the
+	// same ([ActionExecuted], logged at error): its effect ran, and a retry of the job
+	// would take the reservation over once its lease ends and run the effect again. A
+	// worker that failed permanently has its job cancelled ([ActionCancelled]) without the
+	// failure stored. The record stays in progress
 	// until then; another job with the key that comes later takes it over
 	// ([Outcome.TookOver]) and runs the effect again. (A lease lost to a takeover is
 	// different: the job fails with [pgidem.ErrLeaseLost], and its retry replays or waits
@@ -197,8 +206,7 @@ type Config struct {
 	// redelivery or a second job with the same key replays instead of running. It must
 	// outlive River's redelivery horizon for the job ([Middleware.CheckTTL] warns when it
 	// does not). Per kind overrides: [TTLArgs]. Default [TTLDefault] (24 h). It must be at
-	// least the coordinator's [pgidem.Config.MinTTL], or jobs fail with
-	// [pgidem.ErrInvalidTTL].
+	// least the coordinator's [pgidem.Config.MinTTL], or [NewMiddleware] returns an error.
 	TTL time.Duration
 
 	// InFlight is what an execution does when another execution holds the key with a live
@@ -223,7 +231,8 @@ type Config struct {
 	// SnoozeMax is the longest snooze delay: a job snoozed behind a live holder comes back
 	// at least this often to replay the holder's outcome once it completed (a live holder
 	// renews its lease, so its remaining lease says nothing about when it will finish).
-	// Default [SnoozeMaxDefault] (5 s); must not be below SnoozeMin.
+	// Default [SnoozeMaxDefault] (5 s), or SnoozeMin when that is longer; set, it must not
+	// be below SnoozeMin.
 	SnoozeMax time.Duration
 
 	// SQLTimeout bounds the reservation step of each execution: the middleware's
@@ -347,11 +356,12 @@ type kindInfo struct {
 }
 
 // NewMiddleware returns a middleware storing its records through coord. config may be nil
-// for all defaults; it is copied. It returns an error naming the Config field when a
-// setting is invalid. It does not touch the database.
+// for all defaults; it is copied. It returns an error matching [pgidem.ErrInvalidArgument]
+// and naming the Config field when a setting is invalid (or coord is nil). It does not
+// touch the database.
 func NewMiddleware(coord *pgidem.Coordinator, config *Config) (*Middleware, error) {
 	if coord == nil {
-		return nil, errors.New("pgidemriver: NewMiddleware: coord is nil")
+		return nil, invalid("NewMiddleware: coord is nil")
 	}
 	var cfg Config
 	if config != nil {
@@ -368,15 +378,15 @@ func NewMiddleware(coord *pgidem.Coordinator, config *Config) (*Middleware, erro
 	}
 	switch {
 	case cfg.TTL < coord.Config().MinTTL:
-		return nil, fmt.Errorf("pgidemriver: Config.TTL %s is below the coordinator's MinTTL %s", cfg.TTL, coord.Config().MinTTL)
+		return nil, invalid("Config.TTL %s is below the coordinator's MinTTL %s", cfg.TTL, coord.Config().MinTTL)
 	case cfg.InFlight != pgidem.InFlightRaise && cfg.InFlight != pgidem.InFlightWait:
-		return nil, fmt.Errorf("pgidemriver: Config.InFlight %d is not a known policy", cfg.InFlight)
+		return nil, invalid("Config.InFlight %d is not a known policy", cfg.InFlight)
 	case cfg.WaitTimeout < 0:
-		return nil, fmt.Errorf("pgidemriver: Config.WaitTimeout %s must not be negative", cfg.WaitTimeout)
+		return nil, invalid("Config.WaitTimeout %s must not be negative", cfg.WaitTimeout)
 	case cfg.SnoozeMin < 0 || cfg.SnoozeMax < cfg.SnoozeMin:
-		return nil, fmt.Errorf("pgidemriver: Config.SnoozeMin %s and Config.SnoozeMax %s must satisfy 0 <= min <= max", cfg.SnoozeMin, cfg.SnoozeMax)
+		return nil, invalid("Config.SnoozeMin %s and Config.SnoozeMax %s must satisfy 0 <= min <= max", cfg.SnoozeMin, cfg.SnoozeMax)
 	case cfg.SQLTimeout < 0:
-		return nil, fmt.Errorf("pgidemriver: Config.SQLTimeout %s must not be negative", cfg.SQLTimeout)
+		return nil, invalid("Config.SQLTimeout %s must not be negative", cfg.SQLTimeout)
 	}
 	exclude := map[string]bool{SweepKind: true}
 	for _, kind := range cfg.ExcludeKinds {
@@ -570,6 +580,11 @@ type handledJobKey struct{}
 // exceeds its budget (Config.SQLTimeout, plus WaitTimeout under Wait).
 var errReserveTimeout = errors.New("pgidemriver: reservation step timed out")
 
+// invalid returns a configuration error matching pgidem.ErrInvalidArgument.
+func invalid(format string, args ...any) error {
+	return fmt.Errorf("pgidemriver: %s: %w", fmt.Sprintf(format, args...), pgidem.ErrInvalidArgument)
+}
+
 func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error, out *Outcome) error {
 	info := m.kind(job.Kind)
 	if m.exclude[job.Kind] || (info != nil && m.exclude[info.kind]) {
@@ -657,13 +672,21 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		out.OutputNotStored = true
 		return nil
 	case ran && (errors.As(err, &snoozeErr) || errors.As(err, &cancelErr)):
-		out.Action = ActionReleased
-		if errors.Is(err, pgidem.ErrPermanent) {
+		switch {
+		case errors.Is(err, pgidem.ErrLeaseLost):
+			out.Action = ActionError // nothing released or stored: the record is another holder's
+		case errors.Is(err, pgidem.ErrPermanent):
 			out.Action = ActionCancelled // river.JobCancel(pgidem.Permanent(e)): stored as failed
+			out.RecordNotCompleted = errors.Is(err, pgidem.ErrStoreUnavailable)
+		default:
+			out.Action = ActionReleased
 		}
 		return err // River's own control errors pass through unchanged
-	case errors.Is(err, pgidem.ErrPermanent):
+	case errors.Is(err, pgidem.ErrPermanent) && !errors.Is(err, pgidem.ErrLeaseLost):
+		// Stored (or replayed), or the store failed to store it: the worker's verdict
+		// stands either way, so River does not retry this job.
 		out.Action = ActionCancelled
+		out.RecordNotCompleted = ran && errors.Is(err, pgidem.ErrStoreUnavailable)
 		return river.JobCancel(err)
 	case succeeded && !errors.Is(err, pgidem.ErrLeaseLost):
 		// The worker succeeded and its effect ran, but the store kept failing, so its
@@ -693,7 +716,11 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		return river.JobSnooze(out.Snooze)
 	case ctx.Err() == nil && context.Cause(reserveCtx) == errReserveTimeout:
 		out.Action = ActionError
-		return fmt.Errorf("pgidemriver: job %d (%s): reservation exceeded Config.SQLTimeout %s: %w", job.ID, job.Kind, budget, context.DeadlineExceeded)
+		limit := fmt.Sprintf("Config.SQLTimeout %s", m.config.SQLTimeout)
+		if budget != m.config.SQLTimeout {
+			limit += fmt.Sprintf(" + Config.WaitTimeout %s", m.config.WaitTimeout)
+		}
+		return fmt.Errorf("pgidemriver: job %d (%s): reservation exceeded %s: %w", job.ID, job.Kind, limit, context.DeadlineExceeded)
 	default:
 		out.Action = ActionError
 		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)

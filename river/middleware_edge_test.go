@@ -83,6 +83,38 @@ func TestLeaseLostCancelsWorker(t *testing.T) {
 	}
 }
 
+// A worker that fails permanently after its lease was taken over does not cancel its job:
+// nothing was stored (the record is the new holder's), so the job fails with
+// pgidem.ErrLeaseLost and River's retry replays or waits for the new holder's outcome. It
+// used to be cancelled, reported as a stored failure. The worker's own river.JobCancel
+// still passes through unchanged.
+func TestLeaseLostPermanentFailureRetries(t *testing.T) {
+	t.Parallel()
+	declined := errors.New("declined")
+	for i, werr := range []error{pgidem.Permanent(declined), river.JobCancel(pgidem.Permanent(declined))} {
+		b := setup(t)
+		mw, outs := b.newMiddleware(t, nil)
+		mw.Register(InvoiceArgs{})
+		err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":7}`), func(ctx context.Context) error {
+			// Another execution takes the key over (as after a missed heartbeat).
+			tag, err := b.db.Pool.Exec(ctx, `UPDATE pgidem_record SET owner = gen_random_uuid()
+				WHERE namespace = 'mail.invoice' AND key = 'order-7.invoice' AND status = 'in_progress'`)
+			require.NoError(t, err)
+			require.EqualValues(t, 1, tag.RowsAffected())
+			return werr
+		})
+		require.ErrorIs(t, err, pgidem.ErrLeaseLost, "case %d", i)
+		require.ErrorIs(t, err, declined, "case %d", i)
+		var cancel *river.JobCancelError
+		require.Equal(t, i == 1, errors.As(err, &cancel), "case %d: cancelled only by the worker's own JobCancel", i)
+		out := outs.waitFor(t, pgidemriver.ActionError)
+		require.False(t, out.RecordNotCompleted, "case %d", i)
+		rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-7.invoice")
+		require.NoError(t, err)
+		require.Equal(t, pgidem.StatusInProgress, rec.Status, "case %d: the new holder's record is untouched", i)
+	}
+}
+
 // The worker's context is cancelled by the job's context (River's JobTimeout, a client
 // stopping), also after the reservation step's budget has passed.
 func TestJobContextCancelsWorkerPastSQLTimeout(t *testing.T) {
@@ -485,7 +517,7 @@ func TestFinishingWriteFails(t *testing.T) {
 		require.ErrorAs(t, err, &cancel)
 		require.ErrorIs(t, err, declined)
 		require.ErrorIs(t, err, pgidem.ErrStoreUnavailable, "the failure was not stored")
-		outs.waitFor(t, pgidemriver.ActionCancelled)
+		require.True(t, outs.waitFor(t, pgidemriver.ActionCancelled).RecordNotCompleted)
 		rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-2.invoice")
 		require.NoError(t, err)
 		require.Equal(t, pgidem.StatusInProgress, rec.Status)
@@ -662,4 +694,38 @@ func TestFailedOpenOutcome(t *testing.T) {
 	require.True(t, out.FailedOpen)
 	require.Equal(t, pgidemriver.ActionExecuted, out.Action)
 	require.EqualValues(t, 1, mw.Stats().FailedOpen)
+}
+
+// NewMiddleware refuses invalid settings with an error naming the field and matching
+// pgidem.ErrInvalidArgument, and fills the documented defaults.
+func TestNewMiddlewareValidates(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for field, config := range map[string]*pgidemriver.Config{
+		"Config.TTL":         {TTL: 30 * time.Second}, // below the coordinator's MinTTL (1 minute)
+		"Config.InFlight":    {InFlight: pgidem.InFlightPolicy(9)},
+		"Config.WaitTimeout": {WaitTimeout: -1},
+		"Config.SnoozeMin":   {SnoozeMin: -1},
+		"Config.SnoozeMax":   {SnoozeMin: time.Second, SnoozeMax: time.Millisecond},
+		"Config.SQLTimeout":  {SQLTimeout: -1},
+	} {
+		mw, err := pgidemriver.NewMiddleware(b.coord, config)
+		require.ErrorIs(t, err, pgidem.ErrInvalidArgument, field)
+		require.ErrorContains(t, err, field)
+		require.Nil(t, mw)
+	}
+	_, err := pgidemriver.NewMiddleware(nil, nil)
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+
+	mw, err := pgidemriver.NewMiddleware(b.coord, nil)
+	require.NoError(t, err)
+	cfg := mw.Config()
+	require.Equal(t, pgidemriver.TTLDefault, cfg.TTL)
+	require.Equal(t, pgidem.InFlightRaise, cfg.InFlight)
+	require.Equal(t, pgidemriver.SnoozeMinDefault, cfg.SnoozeMin)
+	require.Equal(t, pgidemriver.SnoozeMaxDefault, cfg.SnoozeMax)
+	require.Equal(t, pgidemriver.SQLTimeoutDefault, cfg.SQLTimeout)
+	mw, err = pgidemriver.NewMiddleware(b.coord, &pgidemriver.Config{SnoozeMin: 10 * time.Second})
+	require.NoError(t, err)
+	require.Equal(t, 10*time.Second, mw.Config().SnoozeMax, "the default SnoozeMax is at least SnoozeMin")
 }

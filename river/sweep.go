@@ -74,11 +74,12 @@ type SweepWorker struct {
 
 // NewSweepWorker returns a sweep worker for coord; config may be nil for defaults (it is
 // copied). Register it with river.AddWorker and schedule it with [NewSweepPeriodicJob]. It
-// returns an error naming the SweepConfig field when a setting is invalid: a negative
-// BatchSize, a Pause below -1, a negative Timeout. It does not touch the database.
+// returns an error matching [pgidem.ErrInvalidArgument] and naming the SweepConfig field
+// when a setting is invalid: a negative BatchSize, a Pause below -1, a negative Timeout (or
+// a nil coord). It does not touch the database.
 func NewSweepWorker(coord *pgidem.Coordinator, config *SweepConfig) (*SweepWorker, error) {
 	if coord == nil {
-		return nil, errors.New("pgidemriver: NewSweepWorker: coord is nil")
+		return nil, invalid("NewSweepWorker: coord is nil")
 	}
 	var cfg SweepConfig
 	if config != nil {
@@ -91,11 +92,11 @@ func NewSweepWorker(coord *pgidem.Coordinator, config *SweepConfig) (*SweepWorke
 	}
 	switch {
 	case cfg.BatchSize < 0:
-		return nil, fmt.Errorf("pgidemriver: SweepConfig.BatchSize %d must not be negative", cfg.BatchSize)
+		return nil, invalid("SweepConfig.BatchSize %d must not be negative", cfg.BatchSize)
 	case cfg.Pause < -1:
-		return nil, fmt.Errorf("pgidemriver: SweepConfig.Pause %s must not be negative, except -1 for none", cfg.Pause)
+		return nil, invalid("SweepConfig.Pause %s must not be negative, except -1 for none", cfg.Pause)
 	case cfg.Timeout < 0:
-		return nil, fmt.Errorf("pgidemriver: SweepConfig.Timeout %s must not be negative (there is no \"no timeout\" setting; 0 means the default %s)", cfg.Timeout, SweepTimeoutDefault)
+		return nil, invalid("SweepConfig.Timeout %s must not be negative (there is no \"no timeout\" setting; 0 means the default %s)", cfg.Timeout, SweepTimeoutDefault)
 	}
 	return &SweepWorker{coord: coord, config: cfg}, nil
 }
@@ -150,7 +151,8 @@ type SweepPeriodicJobOpts struct {
 // period (river.UniqueOpts.ByPeriod = interval), so a leader handover inside one period
 // does not insert a second sweep.
 //
-// It returns an error naming the field when Interval is negative or below one second:
+// It returns an error matching [pgidem.ErrInvalidArgument] and naming the field when
+// Interval is negative or below one second:
 // River refuses a unique period that short when it inserts the job, so the leader would
 // log an error every period (continuously, for a negative interval) and never sweep.
 func NewSweepPeriodicJob(opts *SweepPeriodicJobOpts) (*river.PeriodicJob, error) {
@@ -158,7 +160,7 @@ func NewSweepPeriodicJob(opts *SweepPeriodicJobOpts) (*river.PeriodicJob, error)
 		opts = &SweepPeriodicJobOpts{}
 	}
 	if opts.Interval < 0 || (opts.Interval > 0 && opts.Interval < time.Second) {
-		return nil, fmt.Errorf("pgidemriver: SweepPeriodicJobOpts.Interval %s must be at least 1s (0 means the default %s)", opts.Interval, SweepIntervalDefault)
+		return nil, invalid("SweepPeriodicJobOpts.Interval %s must be at least 1s (0 means the default %s)", opts.Interval, SweepIntervalDefault)
 	}
 	interval := cmp.Or(opts.Interval, SweepIntervalDefault)
 	queue := cmp.Or(opts.Queue, river.QueueDefault)

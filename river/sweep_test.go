@@ -150,6 +150,7 @@ func TestSweepSettingsValidated(t *testing.T) {
 	for _, interval := range []time.Duration{-time.Minute, -1, time.Nanosecond, 999 * time.Millisecond} {
 		job, err := pgidemriver.NewSweepPeriodicJob(&pgidemriver.SweepPeriodicJobOpts{Interval: interval})
 		require.ErrorContains(t, err, "SweepPeriodicJobOpts.Interval", "interval %s", interval)
+		require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 		require.Nil(t, job)
 	}
 	for _, interval := range []time.Duration{0, time.Second, time.Hour} {
@@ -164,8 +165,9 @@ func TestSweepSettingsValidated(t *testing.T) {
 	} {
 		worker, err := pgidemriver.NewSweepWorker(b.coord, config)
 		require.ErrorContains(t, err, field)
+		require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 		require.Nil(t, worker)
 	}
 	_, err := pgidemriver.NewSweepWorker(nil, nil)
-	require.Error(t, err)
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/pgidem/pgidem/internal/testdb"
 	"github.com/pgidem/pgidem/migrations"
+	pgidemriver "github.com/pgidem/pgidem/river"
 )
 
 // catalogSQL lists every object a migration could leave behind in the database, outside
@@ -309,6 +310,8 @@ func TestInspectDocQueries(t *testing.T) {
 	require.GreaterOrEqual(t, len(blocks), 4, "docs/inspect.md has its queries in ```sql blocks")
 
 	tdb := testdb.New(t)
+	_, err = pgidemriver.MigrateRiver(ctx, tdb.Pool, nil) // the River section joins river_job
+	require.NoError(t, err)
 	_, err = tdb.Pool.Exec(ctx, `
 		INSERT INTO pgidem_record (namespace, key, status, owner, attempts, result,
 			lease_expires_at, expires_at, created_at, updated_at, completed_at)

@@ -112,9 +112,10 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 //     die) and the record's attempts still show that the effect may have run more than
 //     once.
 //   - fn returns a [Permanent] error: it is stored and replayed as a
-//     [*StoredFailureError]. When storing it fails, the error returned matches fn's error
-//     and also [ErrStoreUnavailable] or [ErrLeaseLost], and nothing will be replayed: a
-//     later call takes the key over once the lease ends.
+//     [*StoredFailureError]. When storing it fails, the error returned is a
+//     [*FailureNotStoredError]: it matches fn's error and also [ErrStoreUnavailable] or
+//     [ErrLeaseLost], and nothing will be replayed: a later call takes the key over once
+//     the lease ends.
 //   - fn panics: the record is released and the panic continues.
 //
 // The finishing write runs on a context detached from ctx, bounded by
@@ -599,8 +600,15 @@ func (c *Coordinator) logStoreError(ctx context.Context, cl *call, err error) er
 }
 
 // reportStoreError logs err at error with attrs and reports [EventStoreError] under
-// namespace when err is a store error; it returns err.
+// namespace when err is a store error; it returns err. A store error that is only ctx
+// ending mid-statement (the caller's deadline, e.g. River's JobTimeout, or a cancellation)
+// is the caller's doing, not the store's: it is returned unwrapped (matching ctx's error,
+// not ErrStoreUnavailable), neither logged nor counted.
 func (c *Coordinator) reportStoreError(ctx context.Context, namespace string, err error, attrs ...slog.Attr) error {
+	var se *StoreError
+	if ctxErr := ctx.Err(); ctxErr != nil && errors.As(err, &se) && errors.Is(se.Err, ctxErr) {
+		return se.Err
+	}
 	if errors.Is(err, ErrStoreUnavailable) {
 		c.config.Logger.LogAttrs(ctx, slog.LevelError, "pgidem: store error", append(attrs, slog.String("error", err.Error()))...)
 		c.emit(ctx, EventStoreError, namespace, 1)
@@ -669,7 +677,7 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, leas
 		if err != nil && permanent != nil {
 			// The caller must not believe the failure will be replayed: a later call takes
 			// the key over once the lease ends and runs fn again.
-			return fmt.Errorf("%w (the failure was not stored: %w)", fnErr, err)
+			return &FailureNotStoredError{Err: fnErr, Cause: err}
 		}
 		return fnErr // a release that failed leaves the lease to end: fn runs again then
 	}

@@ -841,6 +841,48 @@ func TestSweepCancelledMidStatement(t *testing.T) {
 	require.Equal(t, 5, b.count(t), "the cut batch rolled back")
 }
 
+// A statement cut off by the caller's own deadline (River's JobTimeout, an HTTP request's)
+// is not a store outage: the call returns an error matching context.DeadlineExceeded and
+// not ErrStoreUnavailable, and nothing is logged at error or counted as EventStoreError.
+// DoTx waiting for another transaction's lock and Lookup blocked behind a table lock used
+// to report "store unavailable".
+func TestCallerDeadlineIsNotStoreError(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var storeErrors atomic.Int64
+	coord := b.newCoord(t, &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		if e.Kind == pgidem.EventStoreError {
+			storeErrors.Add(1)
+		}
+	})})
+	check := func(name string, err error) {
+		t.Helper()
+		require.ErrorIs(t, err, context.DeadlineExceeded, name)
+		require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable, name)
+		require.Zero(t, storeErrors.Load(), name)
+	}
+
+	// Another transaction holds the key's DoTx lock.
+	other, err := b.db.Pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer other.Rollback(b.ctx) //nolint:errcheck
+	_, err = pgidem.DoTx(b.ctx, coord, other, "ledger", "k", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(b.ctx, 200*time.Millisecond)
+	defer cancel()
+	_, err = pgidem.DoInTx(ctx, coord, "ledger", "k", testTTL, &pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: time.Minute},
+		func(context.Context, pgx.Tx) (int, error) { return 2, nil })
+	check("DoTx lock wait", err)
+
+	// A table lock blocks every read of pgidem_record.
+	_, err = other.Exec(b.ctx, "LOCK TABLE pgidem_record IN ACCESS EXCLUSIVE MODE")
+	require.NoError(t, err)
+	ctx, cancel = context.WithTimeout(b.ctx, 200*time.Millisecond)
+	defer cancel()
+	_, err = coord.Lookup(ctx, "mail", "k")
+	check("Lookup", err)
+}
+
 func TestNilArguments(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

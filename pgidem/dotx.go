@@ -184,9 +184,10 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // ([ErrResultNotStorable]), DoTx rolls back to the savepoint — fn's writes are undone,
 // nothing is recorded, tx stays usable — and returns the error (a panic continues). A
 // [Permanent] error is different: fn's writes are still undone, but a failed record is
-// written in tx and the error returned; commit tx to keep it ([DoInTx] does), and later
-// calls replay it as a [*StoredFailureError] matching [ErrPermanent] without running fn.
-// Roll tx back instead and the next call runs fn again. On success the savepoint is
+// written in tx and fn's error returned unchanged; commit tx to keep it ([DoInTx] does),
+// and later calls replay it as a [*StoredFailureError] matching [ErrPermanent] without
+// running fn. Roll tx back instead and the next call runs fn again. When the failed record
+// cannot be written, a [*FailureNotStoredError] is returned instead (nothing to commit). On success the savepoint is
 // released; nothing is visible to others until the caller commits.
 //
 // # Meeting Do on one key
@@ -614,7 +615,7 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 		// only rolling the savepoint back releases the lock — otherwise tx would hold it
 		// while the caller waits for that record's holder, whose heartbeat it would block
 		// until the holder's lease ran out and tx took over a live holder.
-		notStored := func(err error) error { return fmt.Errorf("%w (the failure was not stored: %w)", fnErr, err) }
+		notStored := func(err error) error { return &FailureNotStoredError{Err: fnErr, Cause: err} }
 		if err := sp.Rollback(ctx); err != nil {
 			// The deferred rollback, on a detached context, undoes fn's writes.
 			return out, true, notStored(c.logStoreError(ctx, cl, storeError("release", err)))

@@ -42,6 +42,8 @@ func TestDoTxPermanentAfterCancelUndoesWrites(t *testing.T) {
 	_, err := pgidem.DoTx(ctx, b.coord, tx, "charge", "order-1", testTTL, nil, fn(cancel))
 	require.ErrorIs(t, err, pgidem.ErrPermanent)
 	require.ErrorContains(t, err, "the failure was not stored")
+	_, top := err.(*pgidem.FailureNotStoredError)
+	require.True(t, top, "pgidem's verdict is the top-level error: %T", err)
 	requireUsable(t, b.ctx, tx)
 	var inTx int
 	require.NoError(t, tx.QueryRow(b.ctx, `SELECT count(*) FROM ledger WHERE ref = 'charge'`).Scan(&inTx))

@@ -41,7 +41,10 @@ var (
 
 	// ErrStoreUnavailable wraps a database error: the store could not be reached or a
 	// statement failed. Before fn runs it means fn was not run (unless [Config.FailOpen]).
-	// See [*StoreError].
+	// A statement cut off because the caller's own context ended (its deadline passed, or
+	// it was cancelled) is not a store error: the call returns an error matching
+	// context.DeadlineExceeded or context.Canceled, unlogged and uncounted. A driver
+	// timeout of its own (connect_timeout) under a live context is one. See [*StoreError].
 	ErrStoreUnavailable = errors.New("pgidem: store unavailable")
 
 	// ErrPermanent marks a failure stored in the record and replayed on later calls: both
@@ -281,6 +284,29 @@ func (e *PermanentError) Unwrap() error { return e.Err }
 
 // Is reports whether target is [ErrPermanent].
 func (e *PermanentError) Is(target error) bool { return target == ErrPermanent }
+
+// FailureNotStoredError is returned by [Do], [DoResult] and [DoTx] when fn returned a
+// [Permanent] error that could not be stored: nothing will be replayed, and a later call
+// runs fn again (Do: once the lease ends; DoTx: at once). It is always the call's
+// top-level error, never wrapped, so a type assertion (err.(*FailureNotStoredError))
+// tells pgidem's verdict apart from one fn's own error may carry from a nested call;
+// errors.Is and errors.As reach both Err and Cause.
+type FailureNotStoredError struct {
+	// Err is fn's error, unchanged (it matches [ErrPermanent]).
+	Err error
+	// Cause says why it was not stored: an error matching [ErrLeaseLost] (Do's
+	// reservation was taken over; the record is the new holder's), a [*StoreError], or,
+	// for DoTx (whose writes run on the caller's context), the context's error.
+	Cause error
+}
+
+// Error returns fn's message followed by the cause.
+func (e *FailureNotStoredError) Error() string {
+	return fmt.Sprintf("%v (the failure was not stored: %v)", e.Err, e.Cause)
+}
+
+// Unwrap returns fn's error and the cause.
+func (e *FailureNotStoredError) Unwrap() []error { return []error{e.Err, e.Cause} }
 
 // StoredFailureError is a permanent failure replayed from the record. It matches
 // [ErrPermanent] (and [ErrResultNotStorable] when that is what was stored).

@@ -113,6 +113,10 @@ func testOnlyOwner(t *testing.T, how, mode string) {
 	case "Permanent":
 		require.ErrorIs(t, out.err, declined)
 		require.ErrorIs(t, out.err, pgidem.ErrLeaseLost, "the failure was not stored: the lease was lost")
+		notStored, ok := out.err.(*pgidem.FailureNotStoredError)
+		require.True(t, ok, "pgidem's verdict is the top-level error: %T", out.err)
+		require.ErrorIs(t, notStored.Cause, pgidem.ErrLeaseLost)
+		require.ErrorIs(t, notStored.Err, declined)
 	case "Error":
 		require.ErrorIs(t, out.err, declined)
 	case "Panic":

@@ -430,8 +430,8 @@ func (c *Coordinator) lookup(ctx context.Context, db executor, namespace, key st
 
 // storeError wraps a database error as [*StoreError], leaving a cancellation alone so that
 // callers can tell it from an unreachable store. A deadline is wrapped: a driver timeout
-// (connect_timeout, a hung server) is a store failure, and a *StoreError still matches
-// context.DeadlineExceeded through Unwrap when the caller's own deadline passed.
+// (connect_timeout, a hung server) is a store failure; reportStoreError unwraps it again
+// when it was the caller's own deadline that passed.
 func storeError(op string, err error) error {
 	if errors.Is(err, context.Canceled) {
 		return err

@@ -25,9 +25,9 @@ type SweepOpts struct {
 // SweepResult reports what a sweep deleted.
 type SweepResult struct {
 	// Records is the number of expired records deleted.
-	Records int64
+	Records int64 `json:"records"`
 	// Inbox is the number of expired inbox rows deleted.
-	Inbox int64
+	Inbox int64 `json:"inbox"`
 }
 
 // Sweep deletes expired records, then inbox rows past their retention ([InboxOpts]), in

@@ -87,7 +87,7 @@
 // unique to the test. A worker using [WorkTx] can take its transaction from the test's
 // (pgx's Tx.Begin makes a savepoint): the rows, the record and the job then all roll back
 // with it. [WorkInTx] cannot run there: its own transaction does not see the job the test
-// inserted.
+// inserted, so River's JobCompleteTx panics.
 //
 // # Housekeeping
 //

@@ -613,6 +613,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 
 	ran, succeeded := false, false // the worker started; it returned nil
 	opts := &pgidem.DoOpts{InFlight: m.config.InFlight, WaitTimeout: m.config.WaitTimeout, ReserveFirst: true}
+	var workerErr error // the worker's own error, as it returned it
 	res, err := pgidem.DoResult(reserveCtx, m.coord, out.Namespace, out.Key, ttl, opts,
 		func(fnCtx context.Context) (effectRecord, error) {
 			if !timer.Stop() {
@@ -626,6 +627,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 			workCtx := context.WithValue(fnCtx, outputSlotKey{}, slot)
 			workCtx = context.WithValue(workCtx, handledJobKey{}, job.ID)
 			if err := doInner(workCtx); err != nil {
+				workerErr = err
 				return effectRecord{}, err
 			}
 			succeeded = true
@@ -639,6 +641,13 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		cancelErr  *river.JobCancelError
 		stored     *pgidem.StoredFailureError
 	)
+	// pgidem's verdict that a permanent failure was not stored is the top-level error; one
+	// the worker returned itself (from a call of its own) says nothing about this record.
+	notStored, _ := err.(*pgidem.FailureNotStoredError)
+	if own, ok := workerErr.(*pgidem.FailureNotStoredError); ok && own == notStored {
+		notStored = nil
+	}
+	failureLeaseLost := notStored != nil && errors.Is(notStored.Cause, pgidem.ErrLeaseLost)
 	switch {
 	case err == nil && res.Replayed:
 		out.Action = ActionReplayed
@@ -673,20 +682,20 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		return nil
 	case ran && (errors.As(err, &snoozeErr) || errors.As(err, &cancelErr)):
 		switch {
-		case errors.Is(err, pgidem.ErrLeaseLost):
-			out.Action = ActionError // nothing released or stored: the record is another holder's
+		case failureLeaseLost:
+			out.Action = ActionError // nothing stored: the record is another holder's
 		case errors.Is(err, pgidem.ErrPermanent):
 			out.Action = ActionCancelled // river.JobCancel(pgidem.Permanent(e)): stored as failed
-			out.RecordNotCompleted = errors.Is(err, pgidem.ErrStoreUnavailable)
+			out.RecordNotCompleted = notStored != nil
 		default:
 			out.Action = ActionReleased
 		}
 		return err // River's own control errors pass through unchanged
-	case errors.Is(err, pgidem.ErrPermanent) && !errors.Is(err, pgidem.ErrLeaseLost):
+	case errors.Is(err, pgidem.ErrPermanent) && !failureLeaseLost:
 		// Stored (or replayed), or the store failed to store it: the worker's verdict
 		// stands either way, so River does not retry this job.
 		out.Action = ActionCancelled
-		out.RecordNotCompleted = ran && errors.Is(err, pgidem.ErrStoreUnavailable)
+		out.RecordNotCompleted = notStored != nil
 		return river.JobCancel(err)
 	case succeeded && !errors.Is(err, pgidem.ErrLeaseLost):
 		// The worker succeeded and its effect ran, but the store kept failing, so its

@@ -729,3 +729,33 @@ func TestNewMiddlewareValidates(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 10*time.Second, mw.Config().SnoozeMax, "the default SnoozeMax is at least SnoozeMin")
 }
+
+// The worker's own error may carry pgidem's errors from calls of its own (a nested Do that
+// lost its lease, a WorkTx whose failure was not stored); they say nothing about the
+// middleware's record. A permanent failure the middleware stored cancels the job and is
+// not flagged RecordNotCompleted. It used to be retried as a lost lease, or flagged.
+func TestWorkerErrorCarryingPgidemErrors(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.newMiddleware(t, nil)
+	mw.Register(InvoiceArgs{})
+	declined := errors.New("declined")
+	storeErr := &pgidem.StoreError{Op: "complete", Err: errors.New("injected")}
+	for i, werr := range []error{
+		pgidem.Permanent(fmt.Errorf("sub-effect: %w", pgidem.ErrLeaseLost)),
+		pgidem.Permanent(fmt.Errorf("sub-effect: %w", storeErr)),
+		river.JobCancel(&pgidem.FailureNotStoredError{Err: pgidem.Permanent(declined), Cause: storeErr}),
+		&pgidem.FailureNotStoredError{Err: pgidem.Permanent(declined), Cause: fmt.Errorf("nested: %w", pgidem.ErrLeaseLost)},
+	} {
+		order := 20 + i
+		err := mw.Work(b.ctx, jobRow(int64(order), "mail.invoice", fmt.Sprintf(`{"order_id":%d}`, order)),
+			func(context.Context) error { return werr })
+		var cancel *river.JobCancelError
+		require.ErrorAs(t, err, &cancel, "case %d: a stored permanent failure cancels the job", i)
+		out := outs.waitFor(t, pgidemriver.ActionCancelled)
+		require.False(t, out.RecordNotCompleted, "case %d", i)
+		rec, err := b.coord.Lookup(b.ctx, "mail.invoice", fmt.Sprintf("order-%d.invoice", order))
+		require.NoError(t, err)
+		require.Equal(t, pgidem.StatusFailed, rec.Status, "case %d", i)
+	}
+}

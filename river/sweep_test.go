@@ -65,6 +65,7 @@ func TestSweeper(t *testing.T) {
 	for _, job := range periodic {
 		job = b.waitJob(t, job.ID, rivertype.JobStateCompleted)
 		require.Empty(t, job.Errors)
+		require.Contains(t, string(job.Output()), `"records":`, "the output's keys are the CLI's")
 		var out pgidem.SweepResult
 		require.NoError(t, json.Unmarshal(job.Output(), &out))
 		swept += out.Records

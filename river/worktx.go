@@ -83,51 +83,62 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 //     failure and are cancelled too. (A replayed stored failure, or one that could not be
 //     stored, also matches ErrPermanent; committing then writes nothing.)
 //   - the job is no longer running when WorkTx completes it (River's rescuer made it
-//     retryable or discarded it meanwhile, or it was cancelled; river.JobCompleteTx then
-//     changes nothing): an error matching [ErrJobNotRunning]. Roll back, or the effect
+//     retryable or discarded it meanwhile; river.JobCompleteTx then changes nothing): an
+//     error matching [ErrJobNotRunning]. (A job cancelled with River's JobCancel while it
+//     runs has its context cancelled instead, and WorkTx returns the context's error.) Roll back, or the effect
 //     commits without the completion; wherever River runs the job next, the effect runs
 //     there.
 //   - a database error: a [*pgidem.StoreError]; a failed job completion: an error prefixed
 //     "pgidemriver: ". River retries.
-//   - a nil coordinator, tx or job: an error, and nothing runs.
+//   - a nil coordinator, tx or job: an error matching [pgidem.ErrInvalidArgument], and
+//     nothing runs.
 //
 // Cancelling ctx makes WorkTx return ctx's error (pgx may then close tx's connection).
 // Safe for concurrent use on different transactions; a pgx.Tx itself is not.
 func WorkTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, tx pgx.Tx, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (pgidem.Result[T], error) {
-	var res pgidem.Result[T]
+	res, _, err := workTx(ctx, c, tx, job, namespace, key, ttl, opts, fn)
+	return res, err
+}
+
+// workTx is WorkTxResult; freshFailure reports that fn's permanent failure was written in
+// tx just now (so committing tx keeps it), told from a replayed one (Result.Replayed) and
+// one that could not be stored (pgidem's top-level *FailureNotStoredError) by pgidem's
+// own answers, never by what fn's error may wrap.
+func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, tx pgx.Tx, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (res pgidem.Result[T], freshFailure bool, err error) {
 	if c == nil || tx == nil || job == nil {
-		return res, errors.New("pgidemriver: WorkTx: coordinator, transaction and job must not be nil")
+		return res, false, invalid("WorkTx: coordinator, transaction and job must not be nil")
 	}
 	if ns, k, ok := pgidem.KeyFromContext(ctx); ok && ns == namespace && k == key {
-		return res, fmt.Errorf("pgidemriver: WorkTx: %s/%s is the key the middleware already reserved for job %d; "+
+		return res, false, fmt.Errorf("pgidemriver: WorkTx: %s/%s is the key the middleware already reserved for job %d; "+
 			"add kind %q to Config.ExcludeKinds or use another namespace", namespace, key, job.ID, job.Kind)
 	}
 
-	res, err := pgidem.DoTxResult(ctx, c, tx, namespace, key, ttl, opts, fn)
+	res, err = pgidem.DoTxResult(ctx, c, tx, namespace, key, ttl, opts, fn)
 	var inProgress *pgidem.InProgressError
 	switch {
 	case err == nil:
 	case errors.As(err, &inProgress):
 		// Clamped like the middleware's snooze: never a busy loop, never a whole lease.
-		return res, river.JobSnooze(min(max(inProgress.RetryAfter, SnoozeMinDefault), SnoozeMaxDefault))
+		return res, false, river.JobSnooze(min(max(inProgress.RetryAfter, SnoozeMinDefault), SnoozeMaxDefault))
 	case errors.Is(err, pgidem.ErrPermanent):
-		return res, river.JobCancel(err)
+		_, notStored := err.(*pgidem.FailureNotStoredError)
+		return res, !res.Replayed && !notStored, river.JobCancel(err)
 	default:
-		return res, err
+		return res, false, err
 	}
 
 	completed, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job)
 	if err != nil {
-		return res, fmt.Errorf("pgidemriver: WorkTx: complete job %d: %w", job.ID, err)
+		return res, false, fmt.Errorf("pgidemriver: WorkTx: complete job %d: %w", job.ID, err)
 	}
 	if completed.State != rivertype.JobStateCompleted {
 		// River leaves a job that is no longer running as it is and returns it without an
-		// error: the rescuer made it retryable or discarded it meanwhile, or it was
-		// cancelled. Committing would keep the effect without the completion.
-		return res, fmt.Errorf("pgidemriver: WorkTx: job %d is %s, no longer running; roll back: %w",
+		// error: the rescuer made it retryable or discarded it meanwhile. Committing would
+		// keep the effect without the completion.
+		return res, false, fmt.Errorf("pgidemriver: WorkTx: job %d is %s, no longer running; roll back: %w",
 			job.ID, completed.State, ErrJobNotRunning)
 	}
-	return res, nil
+	return res, false, nil
 }
 
 // WorkInTx makes a job's database effect exactly-once in a transaction of its own: it
@@ -146,15 +157,19 @@ func WorkInTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordin
 //
 // Its errors are WorkTxResult's, and: a failed begin or commit returns an error prefixed
 // "pgidemriver: " (River retries; a connection lost during COMMIT leaves it uncertain
-// whether it committed — if it did, the retry replays). Because the transaction is not the
-// caller's, a worker that uses WorkInTx cannot be worked by rivertest.Worker, whose job
-// lives in the test's uncommitted transaction; use [WorkTx] there.
+// whether it committed — if it did, the retry replays).
+//
+// Because the transaction is not the caller's, a worker that uses WorkInTx cannot be
+// worked by rivertest.Worker, whose job lives in the test's uncommitted transaction: its
+// transaction does not see the job, so river.JobCompleteTx panics (rivertest reports a
+// PanicError) — and a permanent failure of fn, which never reaches the completion, is
+// committed on the pool and outlives the test's rollback. Use [WorkTx] there.
 //
 // Cancelling ctx aborts the transaction. Safe for concurrent use.
 func WorkInTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (pgidem.Result[T], error) {
 	var res pgidem.Result[T]
 	if c == nil || job == nil {
-		return res, errors.New("pgidemriver: WorkInTx: coordinator and job must not be nil")
+		return res, invalid("WorkInTx: coordinator and job must not be nil")
 	}
 	tx, err := c.Pool().BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if err != nil {
@@ -162,14 +177,11 @@ func WorkInTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.C
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after commit
 
-	res, err = WorkTxResult(ctx, c, tx, job, namespace, key, ttl, opts, fn)
-	var stored *pgidem.StoredFailureError
+	res, freshFailure, err := workTx(ctx, c, tx, job, namespace, key, ttl, opts, fn)
 	switch {
 	case err == nil:
-	case errors.Is(err, pgidem.ErrPermanent) && !errors.As(err, &stored) && !errors.Is(err, pgidem.ErrStoreUnavailable):
-		// A fresh permanent failure, written in tx: commit it. (A replayed one is already
-		// stored; one that could not be stored matches ErrStoreUnavailable, and tx then
-		// holds nothing worth committing.)
+	case freshFailure:
+		// fn's permanent failure, written in tx: commit it, so later jobs replay it.
 		if cerr := tx.Commit(ctx); cerr != nil {
 			return res, fmt.Errorf("pgidemriver: WorkInTx: commit stored failure: %w", cerr)
 		}

@@ -186,3 +186,36 @@ func testWorkTxJobNoLongerRunning(t *testing.T, begin func(b *bundle) func(conte
 	require.False(t, record, "no record")
 	require.Equal(t, rivertype.JobStateDiscarded, state)
 }
+
+// WorkInTx keeps a fresh permanent failure although fn's error wraps pgidem errors of its
+// own (a nested call's replayed failure, a store error): whether the failure was stored is
+// pgidem's answer, not a guess from fn's error chain. It used to roll such a failure back,
+// so the next job ran fn again.
+func TestWorkInTxKeepsFreshFailure(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for i, inner := range []error{
+		&pgidem.StoredFailureError{Namespace: "streets", Key: "s-1", Message: "no such street"},
+		&pgidem.StoreError{Op: "lookup", Err: errors.New("injected")},
+	} {
+		key := fmt.Sprintf("order-%d.ship", 30+i)
+		runs := 0
+		for job := range 2 {
+			// The permanent path never reaches the job's completion, so a job row is not
+			// needed: WorkInTx is called directly.
+			j := &river.Job[ShipArgs]{JobRow: &rivertype.JobRow{ID: int64(100*i + job), Kind: "order.ship", State: rivertype.JobStateRunning}}
+			_, err := pgidemriver.WorkInTx(b.ctx, b.coord, j, "orders", key, testTTL, nil,
+				func(context.Context, pgx.Tx) (int, error) {
+					runs++
+					return 0, pgidem.Permanent(fmt.Errorf("validate address: %w", inner))
+				})
+			var cancel *river.JobCancelError
+			require.ErrorAs(t, err, &cancel, "case %d job %d", i, job)
+			require.ErrorIs(t, err, pgidem.ErrPermanent, "case %d job %d", i, job)
+		}
+		require.Equal(t, 1, runs, "case %d: the second job replays the stored failure", i)
+		rec, err := b.coord.Lookup(b.ctx, "orders", key)
+		require.NoError(t, err)
+		require.Equal(t, pgidem.StatusFailed, rec.Status, "case %d", i)
+	}
+}

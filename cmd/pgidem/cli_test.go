@@ -691,8 +691,22 @@ func TestConnection(t *testing.T) {
 		for _, args := range [][]string{{"records", "list"}, {"records", "show", "a", "b"}, {"records", "forget", "a", "b"}, {"stats"}, {"sweep"}} {
 			line := requireFail(t, cli(t, empty.URL, args...), 1)
 			require.Contains(t, line, "table pgidem_record not found in the connection's search_path of database "+strconv.Quote(empty.Name), args)
-			require.Contains(t, line, "run 'pgidem migrate up' or pass --schema", args)
+			require.Contains(t, line, "pass --database-url (or --schema); if it is, run 'pgidem migrate up'", args)
 		}
+	})
+
+	// A connection string without a database connects to the server's default, the
+	// user's name; the messages name it instead of "".
+	t.Run("DefaultDatabaseNamed", func(t *testing.T) {
+		t.Parallel()
+		u, err := url.Parse(db.URL)
+		require.NoError(t, err)
+		u.Path = ""
+		line := requireFail(t, cli(t, u.String(), "--schema", "zz_no_such_schema", "stats"), 1)
+		require.Contains(t, line, `of database "`+u.User.Username()+`"`)
+
+		line = requireFail(t, pgidemEnv(t, cliEnv("DATABASE_URL=postgres://dave@127.0.0.1:1"), "stats"), 1)
+		require.Contains(t, line, `(database "dave", user "dave"`)
 	})
 }
 

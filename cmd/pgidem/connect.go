@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -126,7 +127,7 @@ func connectError(cfg *pgx.ConnConfig, source string, err error) error {
 	// occurs would garble the message when the password is short or a common word.
 	msg := strings.Join(parts, "; ")
 	return fmt.Errorf("pgidem: cannot connect to Postgres at %s (database %q, user %q, from %s): %s",
-		describeAddress(&cfg.Config), cfg.Database, cfg.User, source, msg)
+		describeAddress(&cfg.Config), cmp.Or(cfg.Database, cfg.User), cfg.User, source, msg)
 }
 
 // parseError reports a connection string pgx cannot parse. pgconn's message quotes the

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -85,8 +86,11 @@ func (s *store) missingTable(ctx context.Context, op string, err error) error {
 			what = "table " + inboxTable + " not found"
 		}
 	}
-	return fmt.Errorf("pgidem: %s: %s in %s of database %q (user %q on %s); run 'pgidem migrate up' or pass --schema or --database-url",
-		op, what, where, cc.Database, cc.User, hostPort(cc.Host, cc.Port))
+	// An empty database name in the configuration means the server's default, the user
+	// name (libpq's rule); name it.
+	return fmt.Errorf("pgidem: %s: %s in %s of database %q (user %q on %s); if that is not the database you meant, "+
+		"pass --database-url (or --schema); if it is, run 'pgidem migrate up'",
+		op, what, where, cmp.Or(cc.Database, cc.User), cc.User, hostPort(cc.Host, cc.Port))
 }
 
 // tablesExist reports whether the record table and the inbox table exist.

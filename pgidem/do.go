@@ -875,5 +875,6 @@ func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, o
 		}
 		time.Sleep(finishRetries[attempt])
 	}
-	return c.logStoreError(ctx, cl, &StoreError{Op: op, Err: err})
+	// ctx is this write's own (FinishTimeout): its deadline passing is the store's doing.
+	return c.logStoreError(context.WithoutCancel(ctx), cl, &StoreError{Op: op, Err: err})
 }

@@ -883,6 +883,36 @@ func TestCallerDeadlineIsNotStoreError(t *testing.T) {
 	check("Lookup", err)
 }
 
+// A finishing write that runs out of Config.FinishTimeout (the row locked by another
+// session) is a store error, logged and counted, although the deadline that passed is a
+// context's: the write's own, not the caller's.
+func TestFinishTimeoutIsStoreError(t *testing.T) {
+	t.Parallel()
+	for _, maxBatch := range []int{1, 0} {
+		t.Run(fmt.Sprintf("MaxBatch=%d", maxBatch), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			var storeErrors atomic.Int64
+			coord := b.newCoord(t, &pgidem.Config{FinishTimeout: 200 * time.Millisecond, MaxBatch: maxBatch,
+				Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+					if e.Kind == pgidem.EventStoreError {
+						storeErrors.Add(1)
+					}
+				})})
+			locker, err := b.db.Pool.Begin(b.ctx)
+			require.NoError(t, err)
+			defer locker.Rollback(b.ctx) //nolint:errcheck
+			_, err = pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(ctx context.Context) (int, error) {
+				_, err := locker.Exec(ctx, "SELECT 1 FROM pgidem_record WHERE namespace = 'mail' AND key = 'k' FOR UPDATE")
+				return 1, err
+			})
+			require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			require.Positive(t, storeErrors.Load())
+		})
+	}
+}
+
 func TestNilArguments(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

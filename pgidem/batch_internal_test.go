@@ -404,8 +404,11 @@ func TestCompletionIsSafeToRepeat(t *testing.T) {
 // The heartbeat renews the lease while the finishing write waits for its round, so a slow
 // round never lets another caller take the key over.
 func TestHeartbeatCoversAQueuedCompletion(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t)
-	c, err := NewCoordinator(db.Pool, &Config{MinTTL: 2 * time.Second, Lease: 300 * time.Millisecond})
+	// A lease long enough that a busy machine's slow commits do not lose it: the test is
+	// about the renewals continuing, not about their speed.
+	c, err := NewCoordinator(db.Pool, &Config{MinTTL: 5 * time.Second, Lease: time.Second})
 	require.NoError(t, err)
 	ctx := context.Background()
 	inRound, proceed := make(chan struct{}), make(chan struct{})
@@ -421,7 +424,7 @@ func TestHeartbeatCoversAQueuedCompletion(t *testing.T) {
 		done <- err
 	}()
 	<-inRound
-	time.Sleep(900 * time.Millisecond) // three leases
+	time.Sleep(3 * time.Second) // three leases
 	var leaseLive bool
 	require.NoError(t, db.Pool.QueryRow(ctx,
 		"SELECT lease_expires_at > now() FROM pgidem_record WHERE key = 'k'").Scan(&leaseLive))

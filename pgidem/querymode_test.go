@@ -29,7 +29,8 @@ func TestEveryQueryExecMode(t *testing.T) {
 			t.Parallel()
 			b := setup(t, nil)
 			pool := b.newPool(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode })
-			coord := b.newCoordOn(t, pool, &pgidem.Config{Lease: 300 * time.Millisecond})
+			// A lease long enough that a busy machine's slow commits do not lose it.
+			coord := b.newCoordOn(t, pool, &pgidem.Config{Lease: time.Second})
 			ctx := b.ctx
 			value := map[string]any{"id": "em_1", "text": "naïve ☃ 'quoted' \"double\" \\ {a,b} NULL", "n": 1.5}
 
@@ -40,10 +41,10 @@ func TestEveryQueryExecMode(t *testing.T) {
 				require.Equal(t, value, got)
 			}
 
-			// A slow effect: the heartbeat renews the lease (every 100 ms) while it runs.
+			// A slow effect: the heartbeat renews the lease (every 333 ms) while it runs.
 			_, err := pgidem.Do(ctx, coord, "mail", "slow", testTTL, nil, func(ctx context.Context) (int, error) {
 				select {
-				case <-time.After(700 * time.Millisecond):
+				case <-time.After(2500 * time.Millisecond):
 					return 1, nil
 				case <-ctx.Done():
 					return 0, context.Cause(ctx)

@@ -281,9 +281,11 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			}
 		}
 		rounds++
+		detached := false // err is the reserving write's, not the read's
 		if errors.Is(err, pgx.ErrNoRows) {
 			var refused bool
 			r, refused, err = c.reserveWrite(ctx, c.sql.reserve, cl)
+			detached = true
 			if err == nil || refused || !isConnectError(err) {
 				// The statement reached the store: it may have reserved the key or found
 				// (or waited for) another caller's record. Never fail open after this.
@@ -301,7 +303,13 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			}
 		}
 		if err != nil {
-			return acq, c.logStoreError(ctx, cl, storeError("reserve", err))
+			errCtx := ctx
+			if detached {
+				// The reserving write ran on a context of its own (FinishTimeout): its
+				// deadline passing is the store's doing, whatever the caller's ctx did.
+				errCtx = context.WithoutCancel(ctx)
+			}
+			return acq, c.logStoreError(errCtx, cl, storeError("reserve", err))
 		}
 		if r.inserted {
 			if ok, err := c.freshLease(ctx, cl, &r); err != nil || !ok {
@@ -324,8 +332,8 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			if errors.Is(err, pgx.ErrNoRows) || isSerializationFailure(err) {
 				continue // another caller took it over first (or it was deleted): read again
 			}
-			if err != nil {
-				return acq, c.logStoreError(ctx, cl, storeError("takeover", err))
+			if err != nil { // the takeover ran on a context of its own, as the insert did
+				return acq, c.logStoreError(context.WithoutCancel(ctx), cl, storeError("takeover", err))
 			}
 			if t.recovered { // the takeover's reply was lost: it counted an attempt, or not
 				t.tookOver = t.attempts == r.attempts+1
@@ -600,14 +608,21 @@ func (c *Coordinator) logStoreError(ctx context.Context, cl *call, err error) er
 }
 
 // reportStoreError logs err at error with attrs and reports [EventStoreError] under
-// namespace when err is a store error; it returns err. A store error that is only ctx
-// ending mid-statement (the caller's deadline, e.g. River's JobTimeout, or a cancellation)
-// is the caller's doing, not the store's: it is returned unwrapped (matching ctx's error,
-// not ErrStoreUnavailable), neither logged nor counted.
+// namespace when err is a store error; it returns err. ctx is the context the failed
+// statement ran on (context.WithoutCancel of the caller's for statements bounded by a
+// timeout of their own). A store error once ctx has ended (the caller's deadline, e.g.
+// River's JobTimeout, or a cancellation) is the caller's doing, not the store's: it is
+// returned as an error matching ctx's error (not ErrStoreUnavailable), neither logged nor
+// counted.
 func (c *Coordinator) reportStoreError(ctx context.Context, namespace string, err error, attrs ...slog.Attr) error {
 	var se *StoreError
-	if ctxErr := ctx.Err(); ctxErr != nil && errors.As(err, &se) && errors.Is(se.Err, ctxErr) {
-		return se.Err
+	if ctxErr := ctx.Err(); ctxErr != nil && errors.As(err, &se) {
+		if errors.Is(se.Err, ctxErr) {
+			return se.Err
+		}
+		// A statement that failed after ctx ended failed because of it (pgx closes a
+		// connection whose query was cut off, and the next statement finds it closed).
+		return fmt.Errorf("%w (then %s failed: %w)", ctxErr, se.Op, se.Err)
 	}
 	if errors.Is(err, ErrStoreUnavailable) {
 		c.config.Logger.LogAttrs(ctx, slog.LevelError, "pgidem: store error", append(attrs, slog.String("error", err.Error()))...)

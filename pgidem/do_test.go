@@ -913,6 +913,58 @@ func TestFinishTimeoutIsStoreError(t *testing.T) {
 	}
 }
 
+// A reserving write blocked behind an open DoTx ends at Config.FinishTimeout, a bound of
+// its own: a store error for op "reserve", logged and counted, even when the caller's
+// deadline passed meanwhile.
+func TestDetachedReserveTimeoutUnderCallerDeadline(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var storeErrors atomic.Int64
+	coord := b.newCoord(t, &pgidem.Config{FinishTimeout: 400 * time.Millisecond,
+		Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+			if e.Kind == pgidem.EventStoreError {
+				storeErrors.Add(1)
+			}
+		})})
+	tx := b.begin(t)
+	_, err := pgidem.DoTx(b.ctx, coord, tx, "mail", "k", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(b.ctx, 100*time.Millisecond)
+	defer cancel()
+	_, err = pgidem.Do(ctx, coord, "mail", "k", testTTL, &pgidem.DoOpts{ReserveFirst: true}, func(context.Context) (int, error) { return 2, nil })
+	var storeErr *pgidem.StoreError
+	require.ErrorAs(t, err, &storeErr)
+	require.Equal(t, "reserve", storeErr.Op)
+	require.Positive(t, storeErrors.Load())
+}
+
+// DoTx whose fn's statement is cut off by the caller's deadline, and which then fails
+// permanently: storing the failure fails on the closed connection, which is the
+// deadline's doing, not the store's. It used to be logged and counted as a store error.
+func TestDoTxCallerDeadlineThenPermanent(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var storeErrors atomic.Int64
+	coord := b.newCoord(t, &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		if e.Kind == pgidem.EventStoreError {
+			storeErrors.Add(1)
+		}
+	})})
+	tx := b.begin(t)
+	ctx, cancel := context.WithTimeout(b.ctx, 200*time.Millisecond)
+	defer cancel()
+	_, err := pgidem.DoTx(ctx, coord, tx, "mail", "k", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		_, err := tx.Exec(ctx, "SELECT pg_sleep(5)")
+		require.Error(t, err)
+		return 0, pgidem.Permanent(errors.New("declined"))
+	})
+	notStored, ok := err.(*pgidem.FailureNotStoredError)
+	require.True(t, ok, "%T: %v", err, err)
+	require.ErrorIs(t, notStored.Cause, context.DeadlineExceeded)
+	require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+	require.Zero(t, storeErrors.Load())
+}
+
 func TestNilArguments(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

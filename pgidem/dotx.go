@@ -211,8 +211,9 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 //     waits for tx; if tx commits, Do replays DoTx's value, if it rolls back, Do runs. Do
 //     holds a pool connection while it waits. That statement runs detached from Do's
 //     context and is bounded by [Config.FinishTimeout] (default 10 s), not by Do's ctx: if
-//     tx stays open longer, Do returns a [*StoreError] for op "reserve" — or, with
-//     [Config.FailOpen], runs its fn unprotected. Keep transactions that call DoTx short.
+//     tx stays open longer, Do returns a [*StoreError] for op "reserve" without running
+//     fn, also under [Config.FailOpen] (the store answered, so the reservation may exist).
+//     Keep transactions that call DoTx short.
 //   - In particular, never call Do on a key from the goroutine that holds DoTx's open
 //     transaction on that key (after DoTx, before the commit): Do waits for a commit that
 //     cannot come while the goroutine is blocked in Do — a deadlock across two connections

@@ -41,10 +41,12 @@ var (
 
 	// ErrStoreUnavailable wraps a database error: the store could not be reached or a
 	// statement failed. Before fn runs it means fn was not run (unless [Config.FailOpen]).
-	// A statement cut off because the caller's own context ended (its deadline passed, or
-	// it was cancelled) is not a store error: the call returns an error matching
+	// A statement on the caller's context cut off because that context ended (its deadline
+	// passed, or it was cancelled), or failing after it ended (pgx closes the connection of
+	// a cut-off query), is not a store error: the call returns an error matching
 	// context.DeadlineExceeded or context.Canceled, unlogged and uncounted. A driver
-	// timeout of its own (connect_timeout) under a live context is one. See [*StoreError].
+	// timeout of its own (connect_timeout) under a live context is one, and so is a
+	// statement pgidem bounds itself ([Config.FinishTimeout]). See [*StoreError].
 	ErrStoreUnavailable = errors.New("pgidem: store unavailable")
 
 	// ErrPermanent marks a failure stored in the record and replayed on later calls: both

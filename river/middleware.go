@@ -113,7 +113,9 @@ const (
 	ActionSnoozed Action = "snoozed"
 	// ActionReleased: the worker returned an error (including a snooze or cancel error) or
 	// panicked; the reservation was released and the error returned unchanged (a panic
-	// continues, for River to recover), so River's retry runs the worker again.
+	// continues, for River to recover), so River's retry runs the worker again. (If the
+	// lease was lost meanwhile there was nothing left to release: the record is the new
+	// holder's, pgidem logs the lost lease, and the retry replays or waits for its outcome.)
 	ActionReleased Action = "released"
 	// ActionCancelled: the effect failed permanently (the worker returned a
 	// [pgidem.Permanent] error, now or on an earlier job with the key, possibly wrapped in
@@ -124,12 +126,12 @@ const (
 	// worker again.
 	ActionCancelled Action = "cancelled"
 	// ActionError: the middleware could not decide (invalid key, undecodable args, store
-	// unreachable), or the lease was lost while the worker ran, whatever the worker
-	// returned (its failure, permanent or not, is then neither released nor stored: the
-	// record is the new holder's). The error was returned to River, which retries the job
-	// and replays or waits for the new holder's outcome — unless the worker's own
-	// river.JobSnooze or river.JobCancel error, which passes through unchanged, says
-	// otherwise.
+	// unreachable), or the lease was lost while a worker that succeeded or failed
+	// permanently ran (its outcome is then not stored: the record is the new holder's).
+	// The error, matching [pgidem.ErrLeaseLost] in that case, was returned to River, which
+	// retries the job and replays or waits for the new holder's outcome — unless the
+	// worker's own river.JobSnooze or river.JobCancel error, which passes through
+	// unchanged, says otherwise.
 	ActionError Action = "error"
 	// ActionSkipped: the kind is excluded ([Config.ExcludeKinds], [SweepKind]); the
 	// worker ran without a reservation.
@@ -710,10 +712,11 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 			slog.Int64("job_id", job.ID), slog.String("job_kind", job.Kind),
 			slog.String("namespace", out.Namespace), slog.String("key", out.Key), slog.String("error", err.Error()))
 		return nil
-	case ran && errors.Is(err, pgidem.ErrLeaseLost):
-		// The lease was lost while the worker ran: nothing was released or completed (the
-		// record is another holder's now), and River's retry replays or waits for that
-		// holder's outcome. The error makes the anomaly visible on the job.
+	case succeeded || failureLeaseLost:
+		// The lease was lost while the worker ran (pgidem's answer: the worker succeeded
+		// or failed permanently, and its outcome could not be written): nothing was
+		// completed (the record is another holder's now), and River's retry replays or
+		// waits for that holder's outcome. The error makes the anomaly visible on the job.
 		out.Action = ActionError
 		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
 	case ran:

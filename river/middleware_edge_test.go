@@ -759,3 +759,19 @@ func TestWorkerErrorCarryingPgidemErrors(t *testing.T) {
 		require.Equal(t, pgidem.StatusFailed, rec.Status, "case %d", i)
 	}
 }
+
+// A plain worker error that wraps a nested call's ErrLeaseLost is the worker's failure:
+// the middleware's reservation is released and the error returned unchanged. It used to
+// be taken for the middleware's own lost lease (ActionError, wrapped).
+func TestWorkerErrorWrappingLeaseLostReleases(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.newMiddleware(t, nil)
+	mw.Register(InvoiceArgs{})
+	werr := fmt.Errorf("sub-effect order-5.sms: %w", pgidem.ErrLeaseLost)
+	err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":5}`), func(context.Context) error { return werr })
+	require.Equal(t, werr, err, "the worker's error, unchanged")
+	outs.waitFor(t, pgidemriver.ActionReleased)
+	_, err = b.coord.Lookup(b.ctx, "mail.invoice", "order-5.invoice")
+	require.ErrorIs(t, err, pgidem.ErrNotFound, "released")
+}

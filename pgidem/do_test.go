@@ -813,6 +813,23 @@ func TestSweep(t *testing.T) {
 	require.Equal(t, 6, b.count(t), "live records and the held reservation stay")
 }
 
+// countStoreErrors returns a coordinator with config (nil: defaults) whose
+// EventStoreErrors are counted.
+func (b *testBundle) countStoreErrors(t *testing.T, config *pgidem.Config) (*pgidem.Coordinator, *atomic.Int64) {
+	t.Helper()
+	var cfg pgidem.Config
+	if config != nil {
+		cfg = *config
+	}
+	var n atomic.Int64
+	cfg.Hook = pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		if e.Kind == pgidem.EventStoreError {
+			n.Add(1)
+		}
+	})
+	return b.newCoord(t, &cfg), &n
+}
+
 // A sweep whose context ends mid-statement returns the context's error, and it is not a
 // store error: nothing is logged at error or counted (a River sweep job cut short by its
 // timeout used to count as one). The cut batch rolls back.
@@ -825,12 +842,7 @@ func TestSweepCancelledMidStatement(t *testing.T) {
 	CREATE FUNCTION slow_delete() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN PERFORM pg_sleep(0.5); RETURN OLD; END$$;
 	CREATE TRIGGER slow_delete BEFORE DELETE ON pgidem_record FOR EACH ROW EXECUTE FUNCTION slow_delete()`)
 	require.NoError(t, err)
-	var storeErrors atomic.Int64
-	coord := b.newCoord(t, &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
-		if e.Kind == pgidem.EventStoreError {
-			storeErrors.Add(1)
-		}
-	})})
+	coord, storeErrors := b.countStoreErrors(t, nil)
 	ctx, cancel := context.WithTimeout(b.ctx, 300*time.Millisecond) // the batch takes 2.5 s
 	defer cancel()
 	res, err := coord.Sweep(ctx, nil)
@@ -849,12 +861,7 @@ func TestSweepCancelledMidStatement(t *testing.T) {
 func TestCallerDeadlineIsNotStoreError(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	var storeErrors atomic.Int64
-	coord := b.newCoord(t, &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
-		if e.Kind == pgidem.EventStoreError {
-			storeErrors.Add(1)
-		}
-	})})
+	coord, storeErrors := b.countStoreErrors(t, nil)
 	check := func(name string, err error) {
 		t.Helper()
 		require.ErrorIs(t, err, context.DeadlineExceeded, name)
@@ -892,13 +899,7 @@ func TestFinishTimeoutIsStoreError(t *testing.T) {
 		t.Run(fmt.Sprintf("MaxBatch=%d", maxBatch), func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, nil)
-			var storeErrors atomic.Int64
-			coord := b.newCoord(t, &pgidem.Config{FinishTimeout: 200 * time.Millisecond, MaxBatch: maxBatch,
-				Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
-					if e.Kind == pgidem.EventStoreError {
-						storeErrors.Add(1)
-					}
-				})})
+			coord, storeErrors := b.countStoreErrors(t, &pgidem.Config{FinishTimeout: 200 * time.Millisecond, MaxBatch: maxBatch})
 			locker, err := b.db.Pool.Begin(b.ctx)
 			require.NoError(t, err)
 			defer locker.Rollback(b.ctx) //nolint:errcheck
@@ -919,13 +920,7 @@ func TestFinishTimeoutIsStoreError(t *testing.T) {
 func TestDetachedReserveTimeoutUnderCallerDeadline(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	var storeErrors atomic.Int64
-	coord := b.newCoord(t, &pgidem.Config{FinishTimeout: 400 * time.Millisecond,
-		Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
-			if e.Kind == pgidem.EventStoreError {
-				storeErrors.Add(1)
-			}
-		})})
+	coord, storeErrors := b.countStoreErrors(t, &pgidem.Config{FinishTimeout: 400 * time.Millisecond})
 	tx := b.begin(t)
 	_, err := pgidem.DoTx(b.ctx, coord, tx, "mail", "k", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
 	require.NoError(t, err)
@@ -944,12 +939,7 @@ func TestDetachedReserveTimeoutUnderCallerDeadline(t *testing.T) {
 func TestDoTxCallerDeadlineThenPermanent(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	var storeErrors atomic.Int64
-	coord := b.newCoord(t, &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
-		if e.Kind == pgidem.EventStoreError {
-			storeErrors.Add(1)
-		}
-	})})
+	coord, storeErrors := b.countStoreErrors(t, nil)
 	tx := b.begin(t)
 	ctx, cancel := context.WithTimeout(b.ctx, 200*time.Millisecond)
 	defer cancel()

@@ -20,7 +20,8 @@
 // search_path. To use another schema, open the database with [OpenDB] and a schema name (or
 // put search_path in the connection string) and set [Opts.Schema]; Up creates the schema
 // when it is missing and refuses to run when the connection would put the tables anywhere
-// else. Down and Status never create a schema: for a missing one they return an error.
+// else. Down, Reset and Status never create a schema: for a missing one they return an
+// error.
 //
 // Without Opts.Schema, every function refuses to run when pgidem is installed in another
 // schema of the search_path than the current one, instead of installing it a second time
@@ -79,19 +80,19 @@ func FS() fs.FS {
 	return sub
 }
 
-// Opts are optional settings for [NewProvider], [Up], [Down] and [Status]. A nil *Opts
-// means all defaults.
+// Opts are optional settings for [NewProvider], [Up], [Down], [Reset] and [Status]. A nil
+// *Opts means all defaults.
 type Opts struct {
 	// Schema, when non-empty, is the schema pgidem's tables and version table live in. It
 	// must pass [CheckSchemaName] (at most [SchemaMaxLen] bytes, valid UTF-8, no control
-	// character, not only white space); otherwise every function returns an error. It is quoted, so any other name works (mixed case,
-	// spaces). The connections of the *sql.DB must already have it as their current schema
+	// character, not only white space); otherwise every function returns an error. It is
+	// quoted, so any other name works (mixed case, spaces). The connections of the *sql.DB must already have it as their current schema
 	// (see [OpenDB]); otherwise every function returns an error instead of creating the
 	// tables elsewhere.
 	//
-	// Only [Up] creates the schema when it is missing. [NewProvider], [Down] and [Status]
-	// return an error for a schema that does not exist, so a mistyped name is reported
-	// instead of created.
+	// Only [Up] creates the schema when it is missing. [NewProvider], [Down], [Reset] and
+	// [Status] return an error for a schema that does not exist, so a mistyped name is
+	// reported instead of created.
 	//
 	// Default: "", the current schema of the connection: the first existing schema of its
 	// search_path (usually public).
@@ -184,8 +185,8 @@ func OpenDB(connString, schema string) (*sql.DB, error) {
 //     [OpenDB].
 //
 // Like goose's own provider, the returned provider creates [VersionTable] in the current
-// schema on its first operation, Status and version queries included; [Status], [Down]
-// and [Installed] do not where pgidem was never installed.
+// schema on its first operation, Status and version queries included; [Status], [Down],
+// [Reset] and [Installed] do not where pgidem was never installed.
 func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, error) {
 	if db == nil {
 		return nil, errors.New("pgidem: migrations: db is nil")
@@ -393,13 +394,38 @@ func installed(ctx context.Context, db *sql.DB) (bool, error) {
 	return exists, nil
 }
 
-// Down rolls back every applied pgidem migration, removing all of pgidem's tables (records
-// and their data included). It leaves the version table, holding only goose's initial
-// version-0 row, and the schema. Where pgidem was never installed ([Installed] is false)
-// it does nothing and creates nothing. It holds [LockID] like [Up], and returns the errors
-// of [NewProvider] (a missing Opts.Schema among them). Use [NewProvider] and DownTo to roll
-// back part of the way.
+// Down rolls back the most recently applied pgidem migration, like goose's Down and
+// `pgidem migrate down`; the results hold it, or nothing when no migration is applied.
+// Where pgidem was never installed ([Installed] is false) it does nothing and creates
+// nothing. It holds [LockID] like [Up], and returns the errors of [NewProvider] (a missing
+// Opts.Schema among them). A rollback removes what the migration created, rows included:
+// rolling back the first migration deletes every record. [Reset] rolls back all of them;
+// [NewProvider] and DownTo roll back to a version.
 func Down(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, error) {
+	return down(ctx, db, opts, func(p *goose.Provider) ([]*goose.MigrationResult, error) {
+		res, err := p.Down(ctx)
+		if errors.Is(err, goose.ErrNoNextVersion) {
+			return nil, nil // nothing applied: nothing to roll back
+		}
+		if res == nil {
+			return nil, err
+		}
+		return []*goose.MigrationResult{res}, err
+	})
+}
+
+// Reset rolls back every applied pgidem migration, removing all of pgidem's tables
+// (records and their data included), like goose's reset and `pgidem migrate down --to 0`.
+// It leaves the version table, holding only goose's initial version-0 row, and the
+// schema. Where pgidem was never installed ([Installed] is false) it does nothing and
+// creates nothing. It holds [LockID] like [Up], and returns the errors of [NewProvider] (a
+// missing Opts.Schema among them).
+func Reset(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, error) {
+	return down(ctx, db, opts, func(p *goose.Provider) ([]*goose.MigrationResult, error) { return p.DownTo(ctx, 0) })
+}
+
+// down runs a rollback step on pgidem's provider where pgidem is installed.
+func down(ctx context.Context, db *sql.DB, opts *Opts, step func(*goose.Provider) ([]*goose.MigrationResult, error)) ([]*goose.MigrationResult, error) {
 	provider, err := NewProvider(ctx, db, opts)
 	if err != nil {
 		return nil, err
@@ -407,7 +433,7 @@ func Down(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult
 	if ok, err := installed(ctx, db); err != nil || !ok {
 		return nil, err
 	}
-	results, err := provider.DownTo(ctx, 0)
+	results, err := step(provider)
 	if err != nil {
 		return results, fmt.Errorf("pgidem: migrations: down: %w", err)
 	}

@@ -59,10 +59,21 @@ func TestUpDownUp(t *testing.T) {
 		require.Equal(t, "applied", string(s.State), s.Source.Path)
 	}
 
+	// Down rolls back one migration, like goose's Down: the latest (the view).
 	down, err := migrations.Down(ctx, db, nil)
 	require.NoError(t, err)
-	require.Len(t, down, len(applied))
+	require.Len(t, down, 1)
+	require.Equal(t, applied[len(applied)-1].Source.Version, down[0].Source.Version)
+	require.True(t, tableExists(t, db, "public", "pgidem_record"), "one step back keeps the records")
+
+	// Reset rolls back the rest.
+	down, err = migrations.Reset(ctx, db, nil)
+	require.NoError(t, err)
+	require.Len(t, down, len(applied)-1)
 	require.False(t, tableExists(t, db, "public", "pgidem_record"))
+	down, err = migrations.Down(ctx, db, nil)
+	require.NoError(t, err)
+	require.Empty(t, down, "nothing left to roll back")
 
 	reapplied, err := migrations.Up(ctx, db, nil)
 	require.NoError(t, err)
@@ -297,10 +308,12 @@ func TestNotInstalledCreatesNothing(t *testing.T) {
 	for _, s := range status {
 		require.Equal(t, goose.StatePending, s.State)
 	}
-	results, err := migrations.Down(ctx, db, nil)
-	require.NoError(t, err)
-	require.Empty(t, results)
-	require.False(t, tableExists(t, db, "public", migrations.VersionTable))
+	for _, rollback := range []func(context.Context, *sql.DB, *migrations.Opts) ([]*goose.MigrationResult, error){migrations.Down, migrations.Reset} {
+		results, err := rollback(ctx, db, nil)
+		require.NoError(t, err)
+		require.Empty(t, results)
+		require.False(t, tableExists(t, db, "public", migrations.VersionTable))
+	}
 
 	_, err = migrations.Up(ctx, db, nil)
 	require.NoError(t, err)

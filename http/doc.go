@@ -55,8 +55,13 @@
 // other services with [pgidem.Do]. The retry that runs the handler again then replays
 // every effect whose record completed:
 //
-//	key, ok := pgidemhttp.ScopedKey(r.Context()) // false: the request has no key
+//	key, ok := pgidemhttp.ScopedKey(ctx)
+//	if !ok { // no Idempotency-Key (Config.Required false): pgidem.Do refuses an empty key
+//		http.Error(w, "Idempotency-Key required", http.StatusBadRequest)
+//		return
+//	}
 //	chargeID, err := pgidem.Do(ctx, coord, "charges", key, ttl, nil, charge)
+//	...
 //	orderID, err := pgidem.DoInTx(ctx, coord, "orders", key, ttl, nil, insertOrder)
 //
 // A call cut off mid-way runs again once its lease ends: hand the other service its own

@@ -57,8 +57,12 @@
 // An error from fn releases the record so the next delivery runs fn again; wrap it with
 // [Permanent] to store it and replay it instead. A panic releases and re-panics. When the
 // store is unreachable before fn, the call returns [ErrStoreUnavailable] and fn does not run
-// (opt into [Config.FailOpen] to run it unprotected). Replays return exactly what fn
-// returned: zero values, nil pointers, empty slices and null are results.
+// (opt into [Config.FailOpen] to run it unprotected). Replays return what fn returned as
+// it comes back through JSON (encoding/json into T): zero values, nil pointers, empty
+// slices and null are results, but unexported fields and anything json ignores are not
+// kept, and numbers in an any come back as float64. A stored failure replays as a
+// [*StoredFailureError] carrying its message only, not fn's error value: match it with
+// [ErrPermanent], not with errors.As on your own error type.
 //
 // # Database effects: DoTx and the inbox
 //

@@ -31,7 +31,9 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 // WorkTxResult runs a job's database effect and its completion in the caller's
 // transaction tx and reports how the value was obtained. Call it from a River worker's
 // Work with the job River passed in; commit tx when it returns nil, or an error matching
-// [pgidem.ErrPermanent]; otherwise roll tx back. Return its error from Work as is.
+// [pgidem.ErrPermanent]; otherwise roll tx back. Return its error from Work as is. (After
+// a permanent failure fn's writes are always undone, so a commit keeps the stored failure,
+// when there is one, and the caller's own writes before WorkTx, as the job is cancelled.)
 //
 //	func (w *ShipWorker) Work(ctx context.Context, job *river.Job[ShipArgs]) error {
 //		tx, err := w.db.Begin(ctx) // a *pgxpool.Pool; in tests, rivertest's transaction

@@ -188,8 +188,8 @@ type Config struct {
 	//     409. This departs from the draft for clients that prefer an answer to a conflict.
 	InFlight pgidem.InFlightPolicy
 
-	// WaitTimeout bounds the wait under [pgidem.InFlightWait]. Default 0: the
-	// coordinator's [pgidem.Config.WaitTimeout].
+	// WaitTimeout bounds the wait under [pgidem.InFlightWait]. Default: the
+	// coordinator's [pgidem.Config.WaitTimeout] (1 minute unless set there); not negative.
 	WaitTimeout time.Duration
 
 	// RetryAfterMax bounds the Retry-After of a 409 answered while the first request is
@@ -248,6 +248,7 @@ func New(coord *pgidem.Coordinator, config *Config) (*Middleware, error) {
 	cfg.MaxRequestBytes = cmp.Or(cfg.MaxRequestBytes, MaxRequestBytesDefault)
 	cfg.MaxResponseBytes = cmp.Or(cfg.MaxResponseBytes, MaxResponseBytesDefault)
 	cfg.InFlight = cmp.Or(cfg.InFlight, pgidem.InFlightRaise)
+	cfg.WaitTimeout = cmp.Or(cfg.WaitTimeout, coord.Config().WaitTimeout)
 	cfg.ProblemType = cmp.Or(cfg.ProblemType, ProblemTypeDefault)
 	cfg.RetryAfterMax = cmp.Or(cfg.RetryAfterMax, RetryAfterMaxDefault)
 	if cfg.Methods == nil {

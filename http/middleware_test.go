@@ -1013,6 +1013,7 @@ func TestNewValidatesConfig(t *testing.T) {
 	require.Equal(t, pgidemhttp.TTLDefault, cfg.TTL)
 	require.Equal(t, []string{"POST", "PATCH"}, cfg.Methods)
 	require.Equal(t, pgidem.InFlightRaise, cfg.InFlight)
+	require.Equal(t, b.coord.Config().WaitTimeout, cfg.WaitTimeout, "the coordinator's, filled in")
 	require.EqualValues(t, pgidemhttp.MaxRequestBytesDefault, cfg.MaxRequestBytes)
 	require.Contains(t, cfg.ReplayHeaders, "Location")
 }

@@ -262,18 +262,26 @@ func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace
 	return res, err
 }
 
-// DoInTx is [DoTx] in a transaction of its own: it begins a transaction on the
-// coordinator's pool (READ COMMITTED), runs DoTx in it and commits. When DoTx returns an
-// error (or fn panics) the transaction is rolled back, with one exception: when fn
-// returns a [Permanent] error, the failed record DoTx wrote is committed (fn's writes are
-// undone all the same) and fn's error is returned, so later calls replay it as a
-// [*StoredFailureError] without running fn. A replay, including the replay of a stored
-// failure, commits nothing new. A failed commit returns a [*StoreError] for op "commit"
-// instead of fn's value or error; fn's writes (or the failed record) are then not
-// committed, although a connection lost during COMMIT leaves that uncertain — the next
-// call replays if it did commit. Safe for concurrent use.
+// DoInTx is [DoTx] in a transaction of its own. It is [DoInTxResult] without the detail;
+// see there.
 func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
-	var zero T
+	res, err := DoInTxResult(ctx, c, namespace, key, ttl, opts, fn)
+	return res.Value, err
+}
+
+// DoInTxResult is [DoTxResult] in a transaction of its own: it begins a transaction on the
+// coordinator's pool (READ COMMITTED), runs DoTx in it and commits, and reports how the
+// value was obtained. When DoTx returns an error (or fn panics) the transaction is rolled
+// back, with one exception: when fn returns a [Permanent] error, the failed record DoTx
+// wrote is committed (fn's writes are undone all the same) and fn's error is returned, so
+// later calls replay it as a [*StoredFailureError] without running fn. A replay, including
+// the replay of a stored failure, commits nothing new. A failed commit returns a
+// [*StoreError] for op "commit" instead of fn's value or error (and a zero Result); fn's
+// writes (or the failed record) are then not committed, although a connection lost during
+// COMMIT leaves that uncertain — the next call replays if it did commit. Safe for
+// concurrent use.
+func DoInTxResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (Result[T], error) {
+	var zero Result[T]
 	if c == nil || fn == nil {
 		return zero, invalidArgument("DoInTx: the coordinator and fn must not be nil")
 	}
@@ -300,14 +308,14 @@ func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, t
 	}()
 	res, failureStored, err := doTx(ctx, c, tx, cl, fn)
 	if err != nil && !failureStored {
-		return res.Value, err
+		return res, err
 	}
 	if commitErr := tx.Commit(ctx); commitErr != nil {
 		committed = true // Commit ended the transaction either way
 		return zero, c.logStoreError(ctx, cl, storeError("commit", commitErr))
 	}
 	committed = true
-	return res.Value, err // err is nil, or fn's permanent failure, now stored
+	return res, err // err is nil, or fn's permanent failure, now stored
 }
 
 // savepointName names the savepoints DoTx opens in the caller's transaction. Nested DoTx

@@ -50,6 +50,20 @@ func TestDoInTxPermanentFailureIsStored(t *testing.T) {
 	require.Zero(t, b.ledgerRows(t, "charge"))
 }
 
+// DoInTxResult reports how the value was obtained: run, then replayed.
+func TestDoInTxResult(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for i, replayed := range []bool{false, true} {
+		res, err := pgidem.DoInTxResult(b.ctx, b.coord, "ledger", "order-2", testTTL, nil,
+			func(ctx context.Context, tx pgx.Tx) (int, error) { return 42, nil })
+		require.NoError(t, err)
+		require.Equal(t, 42, res.Value, "call %d", i)
+		require.Equal(t, replayed, res.Replayed, "call %d", i)
+		require.Equal(t, 1, res.Attempts, "call %d", i)
+	}
+}
+
 // An ordinary error from fn still rolls DoInTx's transaction back: nothing is recorded and
 // the next call runs fn again.
 func TestDoInTxOrdinaryErrorIsNotStored(t *testing.T) {

@@ -955,6 +955,50 @@ func TestDoTxCallerDeadlineThenPermanent(t *testing.T) {
 	require.Zero(t, storeErrors.Load())
 }
 
+// Forget deletes a record so the next call runs the effect again; it refuses a record in
+// progress under a live lease unless forced, and deletes one whose holder died.
+func TestForget(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	runs := 0
+	fn := func(context.Context) (int, error) { runs++; return runs, nil }
+	_, err := pgidem.Do(b.ctx, b.coord, "mail", "done", testTTL, nil, fn)
+	require.NoError(t, err)
+
+	rec, err := b.coord.Forget(b.ctx, "mail", "done", nil)
+	require.NoError(t, err)
+	require.Equal(t, pgidem.StatusCompleted, rec.Status)
+	require.JSONEq(t, "1", string(rec.Result))
+	_, err = b.coord.Forget(b.ctx, "mail", "done", nil)
+	require.ErrorIs(t, err, pgidem.ErrNotFound)
+	v, err := pgidem.Do(b.ctx, b.coord, "mail", "done", testTTL, nil, fn)
+	require.NoError(t, err)
+	require.Equal(t, 2, v, "forgotten: the effect ran again")
+
+	// A live holder is refused, then forced.
+	h := b.hold(b.coord, "mail", "live", nil, "held")
+	_, err = b.coord.Forget(b.ctx, "mail", "live", nil)
+	var inProgress *pgidem.InProgressError
+	require.ErrorAs(t, err, &inProgress)
+	require.Positive(t, inProgress.RetryAfter)
+	require.Equal(t, pgidem.StatusInProgress, b.lookup(t, "mail", "live").Status, "refused: still there")
+	rec, err = b.coord.Forget(b.ctx, "mail", "live", &pgidem.ForgetOpts{Force: true})
+	require.NoError(t, err)
+	require.Equal(t, pgidem.StatusInProgress, rec.Status)
+	h.unblock()
+	require.ErrorIs(t, <-h.done, pgidem.ErrLeaseLost, "the forced-out holder's completion finds no row")
+
+	// A holder that died (its lease ran out) needs no force.
+	_, err = b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, lease_expires_at, expires_at)
+		VALUES ('mail', 'dead', 'in_progress', gen_random_uuid(), now() - interval '1 second', now() + interval '1 hour')`)
+	require.NoError(t, err)
+	_, err = b.coord.Forget(b.ctx, "mail", "dead", nil)
+	require.NoError(t, err)
+
+	_, err = b.coord.Forget(b.ctx, "mail", "", nil)
+	require.ErrorIs(t, err, pgidem.ErrInvalidKey)
+}
+
 func TestNilArguments(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

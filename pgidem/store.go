@@ -91,7 +91,7 @@ type storedFailure struct {
 
 // statements holds the protocol's SQL with the table name already quoted in.
 type statements struct {
-	reserve, takeover, heartbeat, complete, release, lookup, probe, sweep string
+	reserve, takeover, heartbeat, complete, release, lookup, probe, sweep, forget string
 
 	// The forms of reserve and complete that batch.go's rounds send: for one key and for
 	// many (arrays), all under roundGuard.
@@ -308,6 +308,25 @@ SELECT 1 FROM deleted UNION ALL SELECT 1 FROM kept`),
 
 		lookup: r.Replace(`SELECT {cols} FROM {t} WHERE namespace = $1 AND key = $2`),
 
+		// Delete one record by hand (Coordinator.Forget): unless $3 (force), not one in
+		// progress under a live lease and within its TTL. The DELETE re-checks its
+		// condition on the newest row version (READ COMMITTED), so a holder renewing or
+		// taking over at the same moment is never deleted without force. When nothing is
+		// deleted the row as the statement saw it comes back instead, to say why.
+		forget: r.Replace(`
+WITH target AS (
+	SELECT {cols} FROM {t} WHERE namespace = $1 AND key = $2
+), deleted AS (
+	DELETE FROM {t}
+	WHERE namespace = $1 AND key = $2
+		AND ($3 OR status <> 'in_progress' OR lease_expires_at <= statement_timestamp()
+			OR expires_at <= statement_timestamp())
+	RETURNING {cols}
+)
+SELECT *, true FROM deleted
+UNION ALL
+SELECT *, false FROM target WHERE NOT EXISTS (SELECT 1 FROM deleted)`),
+
 		// The read that starts every Do: only what deciding and replaying need, since a
 		// replay is this one statement.
 		probe: r.Replace(`SELECT ` + probeColumns + ` FROM {t} WHERE namespace = $1 AND key = $2`),
@@ -411,6 +430,61 @@ func (c *Coordinator) Lookup(ctx context.Context, namespace, key string) (*Recor
 // LookupTx is [Coordinator.Lookup] inside the caller's transaction.
 func (c *Coordinator) LookupTx(ctx context.Context, tx pgx.Tx, namespace, key string) (*Record, error) {
 	return c.lookup(ctx, tx, namespace, key)
+}
+
+// ForgetOpts are optional settings for [Coordinator.Forget]. A nil *ForgetOpts means
+// defaults.
+type ForgetOpts struct {
+	// Force deletes a record even while it is in progress under a live lease. Its holder
+	// may be running the effect at that moment, and the next call with the key runs it
+	// again beside it; the holder's own completion then finds no row ([ErrLeaseLost]).
+	// Default false: such a record is refused.
+	Force bool
+}
+
+// forgetAttempts bounds how often Forget retries a record that changed under it.
+const forgetAttempts = 3
+
+// Forget deletes the record for (namespace, key), so that the next call with the key runs
+// its effect again: an operator's tool for replaying an effect by hand after an incident
+// (the pgidem command's `records forget` runs it). It returns the record as it was
+// deleted. A record in progress under a live lease (and within its TTL) is refused with an
+// [*InProgressError] (matching [ErrInProgress]; RetryAfter is its remaining lease) unless
+// opts.Force is set: its holder may be running the effect right now. The check and the
+// delete are one statement, so a holder renewing or taking the record over at the same
+// moment is never deleted without Force.
+//
+// It returns an [*InvalidKeyError] for a key no call could have stored, [ErrNotFound]
+// when there is no row, and a [*StoreError] for a database error. Inbox rows are not
+// records: delete those with SQL (docs/inspect.md). Safe for concurrent use.
+func (c *Coordinator) Forget(ctx context.Context, namespace, key string, opts *ForgetOpts) (*Record, error) {
+	if err := c.validateKey(namespace, key); err != nil {
+		return nil, err
+	}
+	force := opts != nil && opts.Force
+	for attempt := 1; ; attempt++ {
+		var r row
+		var deleted bool
+		err := c.pool.QueryRow(ctx, c.sql.forget, namespace, key, force).Scan(append(r.scanTargets(false), &deleted)...)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+			return nil, ErrNotFound
+		case err != nil:
+			return nil, c.reportStoreError(ctx, namespace, storeError("forget", err), slog.String("namespace", namespace), slog.String("key", key))
+		case deleted:
+			c.config.Logger.InfoContext(ctx, "pgidem: record forgotten; the next call with the key runs its effect again",
+				slog.String("namespace", namespace), slog.String("key", key), slog.String("status", string(r.status)),
+				slog.Bool("forced", force))
+			return r.record(namespace, key), nil
+		case r.status == StatusInProgress && !r.leaseExpired && !r.expired:
+			return nil, &InProgressError{Namespace: namespace, Key: key, RetryAfter: max(r.leaseExpires.Time.Sub(r.dbNow), time.Millisecond),
+				Attempts: r.attempts, LeaseExpiresAt: r.leaseExpires.Time}
+		case attempt == forgetAttempts:
+			// Each statement saw a deletable row that a concurrent write (a renewal, a
+			// takeover) then made live again, or replaced.
+			return nil, &InProgressError{Namespace: namespace, Key: key, RetryAfter: time.Millisecond, Attempts: r.attempts}
+		}
+	}
 }
 
 func (c *Coordinator) lookup(ctx context.Context, db executor, namespace, key string) (*Record, error) {

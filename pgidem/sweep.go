@@ -71,11 +71,8 @@ func (c *Coordinator) sweepTable(ctx context.Context, sql string, batch int, opt
 		}
 		tag, err := c.pool.Exec(ctx, sql, batch)
 		if err != nil {
-			if ctxErr := ctx.Err(); ctxErr != nil {
-				// Cancelled or past its deadline mid-statement: the caller's doing, not
-				// the store's (the batch rolled back; the earlier ones stay deleted).
-				return total, ctxErr
-			}
+			// ctx ending mid-statement is the caller's doing, which reportStoreError
+			// returns as such (the batch rolled back; the earlier ones stay deleted).
 			return total, c.reportStoreError(ctx, "", storeError("sweep", err), slog.Int64("deleted", total))
 		}
 		n := tag.RowsAffected()

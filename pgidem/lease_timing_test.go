@@ -193,7 +193,10 @@ func TestSingleRenewalFailureKeepsHolder(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			const lease = time.Second
+			// The wait must stay well under a third of the lease (or Do renews the lease
+			// before fn, and the one failing renewal is that one): on a loaded machine a
+			// 280 ms wait under a 1 s lease took longer than 333 ms now and then.
+			const lease = 2 * time.Second
 			b := setup(t, &pgidem.Config{Lease: lease})
 			var fired atomic.Bool
 			coord := b.newCoordOn(t, b.markedPool(t, &fired, true, 0, nil), &pgidem.Config{Lease: lease, MaxBatch: 1})
@@ -214,7 +217,7 @@ func TestSingleRenewalFailureKeepsHolder(t *testing.T) {
 					select {
 					case <-ctx.Done():
 						cause.Store(context.Cause(ctx))
-					case <-time.After(1500 * time.Millisecond): // a lease and a half
+					case <-time.After(lease * 3 / 2): // a lease and a half
 					}
 					return "A", nil
 				})

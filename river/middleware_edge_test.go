@@ -45,8 +45,7 @@ func TestLeaseLostCancelsWorker(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
-			mw, _ := b.newMiddleware(t, &pgidemriver.Config{SQLTimeout: tc.sqlTimeout})
-			mw.Register(InvoiceArgs{})
+			mw, _ := b.invoiceMiddleware(t, &pgidemriver.Config{SQLTimeout: tc.sqlTimeout})
 
 			running := make(chan struct{})
 			stolen := make(chan struct{})
@@ -93,8 +92,7 @@ func TestLeaseLostPermanentFailureRetries(t *testing.T) {
 	declined := errors.New("declined")
 	for i, werr := range []error{pgidem.Permanent(declined), river.JobCancel(pgidem.Permanent(declined))} {
 		b := setup(t)
-		mw, outs := b.newMiddleware(t, nil)
-		mw.Register(InvoiceArgs{})
+		mw, outs := b.invoiceMiddleware(t, nil)
 		err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":7}`), func(ctx context.Context) error {
 			// Another execution takes the key over (as after a missed heartbeat).
 			tag, err := b.db.Pool.Exec(ctx, `UPDATE pgidem_record SET owner = gen_random_uuid()
@@ -120,8 +118,7 @@ func TestLeaseLostPermanentFailureRetries(t *testing.T) {
 func TestJobContextCancelsWorkerPastSQLTimeout(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	mw, _ := b.newMiddleware(t, &pgidemriver.Config{SQLTimeout: 200 * time.Millisecond})
-	mw.Register(InvoiceArgs{})
+	mw, _ := b.invoiceMiddleware(t, &pgidemriver.Config{SQLTimeout: 200 * time.Millisecond})
 
 	jobCtx, cancel := context.WithCancelCause(b.ctx)
 	defer cancel(nil)
@@ -144,8 +141,7 @@ func TestJobContextCancelsWorkerPastSQLTimeout(t *testing.T) {
 func TestSQLTimeoutBoundsReservation(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	mw, outs := b.newMiddleware(t, &pgidemriver.Config{SQLTimeout: time.Nanosecond})
-	mw.Register(InvoiceArgs{})
+	mw, outs := b.invoiceMiddleware(t, &pgidemriver.Config{SQLTimeout: time.Nanosecond})
 
 	var ran atomic.Bool
 	err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":4}`), func(context.Context) error { ran.Store(true); return nil })
@@ -223,8 +219,7 @@ func TestDoubleRegistrationRunsOnce(t *testing.T) {
 	t.Run("Direct", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		mw, outs := b.newMiddleware(t, nil)
-		mw.Register(InvoiceArgs{})
+		mw, outs := b.invoiceMiddleware(t, nil)
 		job := jobRow(1, "mail.invoice", `{"order_id":3}`)
 
 		var runs atomic.Int32
@@ -389,8 +384,7 @@ func (LongNamespaceArgs) IdempotencyNamespace() string { return strings.Repeat("
 func TestSnoozeCancelPassThrough(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	mw, _ := b.newMiddleware(t, nil)
-	mw.Register(InvoiceArgs{})
+	mw, _ := b.invoiceMiddleware(t, nil)
 	for i, werr := range []error{river.JobSnooze(time.Hour), river.JobCancel(fmt.Errorf("stop"))} {
 		err := mw.Work(b.ctx, jobRow(int64(i+1), "mail.invoice", fmt.Sprintf(`{"order_id":%d}`, i+1)),
 			func(context.Context) error { return werr })
@@ -406,8 +400,7 @@ func TestSnoozeCancelPassThrough(t *testing.T) {
 func TestWaitBoundedThenSnooze(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	mw, outs := b.newMiddleware(t, &pgidemriver.Config{InFlight: pgidem.InFlightWait, WaitTimeout: 200 * time.Millisecond})
-	mw.Register(InvoiceArgs{})
+	mw, outs := b.invoiceMiddleware(t, &pgidemriver.Config{InFlight: pgidem.InFlightWait, WaitTimeout: 200 * time.Millisecond})
 	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts,
 		lease_expires_at, expires_at) VALUES ('mail.invoice', 'order-5.invoice', 'in_progress', gen_random_uuid(), 1,
 		now() + interval '10 years', now() + interval '10 years')`)
@@ -489,8 +482,7 @@ func TestFinishingWriteFails(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	failCompletions(t, b)
-	mw, outs := b.newMiddleware(t, nil)
-	mw.Register(InvoiceArgs{})
+	mw, outs := b.invoiceMiddleware(t, nil)
 
 	t.Run("WorkerSucceeded", func(t *testing.T) {
 		// The effect ran: the job completes (a retry would take the record over once its
@@ -594,8 +586,7 @@ func (PanickyKeyArgs) IdempotencyKey() string { panic("no key") }
 func TestJobCancelWrappingPermanent(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	mw, outs := b.newMiddleware(t, nil)
-	mw.Register(InvoiceArgs{})
+	mw, outs := b.invoiceMiddleware(t, nil)
 	declined := errors.New("declined")
 	err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":3}`), func(context.Context) error {
 		return river.JobCancel(pgidem.Permanent(declined))
@@ -737,8 +728,7 @@ func TestNewMiddlewareValidates(t *testing.T) {
 func TestWorkerErrorCarryingPgidemErrors(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	mw, outs := b.newMiddleware(t, nil)
-	mw.Register(InvoiceArgs{})
+	mw, outs := b.invoiceMiddleware(t, nil)
 	declined := errors.New("declined")
 	storeErr := &pgidem.StoreError{Op: "complete", Err: errors.New("injected")}
 	for i, werr := range []error{
@@ -766,8 +756,7 @@ func TestWorkerErrorCarryingPgidemErrors(t *testing.T) {
 func TestWorkerErrorWrappingLeaseLostReleases(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	mw, outs := b.newMiddleware(t, nil)
-	mw.Register(InvoiceArgs{})
+	mw, outs := b.invoiceMiddleware(t, nil)
 	werr := fmt.Errorf("sub-effect order-5.sms: %w", pgidem.ErrLeaseLost)
 	err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":5}`), func(context.Context) error { return werr })
 	require.Equal(t, werr, err, "the worker's error, unchanged")

@@ -297,3 +297,11 @@ func (b *bundle) newMiddleware(t *testing.T, config *pgidemriver.Config) (*pgide
 	require.NoError(t, err)
 	return mw, outs
 }
+
+// invoiceMiddleware is newMiddleware with InvoiceArgs registered, as most tests need.
+func (b *bundle) invoiceMiddleware(t *testing.T, config *pgidemriver.Config) (*pgidemriver.Middleware, *outcomes) {
+	t.Helper()
+	mw, outs := b.newMiddleware(t, config)
+	mw.Register(InvoiceArgs{})
+	return mw, outs
+}

@@ -66,6 +66,9 @@
 // A worker error releases the reservation and reaches River unchanged, so River's retry
 // runs the worker again; snooze and cancel errors pass through as they are. A
 // [pgidem.Permanent] error is stored, and this and later jobs with the key are cancelled.
+// (What counts is a Permanent error in the worker's error chain, pgidem's own rule; an
+// error matching [pgidem.ErrPermanent] only through a failure a nested pgidem call
+// replayed is an ordinary worker error.)
 // An invalid key fails the job loudly without running the worker: an unstorable key never
 // means an unprotected effect. A worker that succeeded completes its job even when the
 // store then fails to complete its record (logged at error, [Outcome.RecordNotCompleted]):
@@ -75,8 +78,9 @@
 //
 // When the effect is rows in the same database, [WorkTx] writes the rows, the pgidem
 // record and River's job completion (river.JobCompleteTx) in the caller's transaction, so
-// they commit together: a crash at any point leaves all three or none. [WorkInTx] begins
-// and commits the transaction itself (pgidem.DoTx and pgidem.DoInTx divide the same way).
+// they commit together: a crash at any point leaves all three or none. The worker commits
+// when [ShouldCommit] says so and rolls back otherwise. [WorkInTx] begins and commits the
+// transaction itself (pgidem.DoTx and pgidem.DoInTx divide the same way).
 //
 // # Testing workers
 //

@@ -111,7 +111,9 @@ const (
 	// ActionSnoozed: another execution holds the key (in progress, lease alive); the job
 	// was answered with river.JobSnooze, which does not use an attempt.
 	ActionSnoozed Action = "snoozed"
-	// ActionReleased: the worker returned an error (including a snooze or cancel error) or
+	// ActionReleased: the worker returned an error (including a snooze or cancel error,
+	// and one that matches [pgidem.ErrPermanent] only through a failure a nested pgidem
+	// call replayed: it carries no [pgidem.Permanent] error, so pgidem did not store it) or
 	// panicked; the reservation was released and the error returned unchanged (a panic
 	// continues, for River to recover), so River's retry runs the worker again. (If the
 	// lease was lost meanwhile there was nothing left to release: the record is the new
@@ -650,6 +652,12 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		notStored = nil
 	}
 	failureLeaseLost := notStored != nil && errors.Is(notStored.Cause, pgidem.ErrLeaseLost)
+	// A failure is permanent by pgidem's rule: the worker's error carries a
+	// [pgidem.PermanentError] (and pgidem stored it), or the record replayed a stored
+	// failure. A worker error that merely matches ErrPermanent through a nested call's
+	// replayed *StoredFailureError released the record like any other error, so River
+	// retries the job.
+	permanent := errors.As(workerErr, new(*pgidem.PermanentError)) || (!ran && errors.Is(err, pgidem.ErrPermanent))
 	switch {
 	case err == nil && res.Replayed:
 		out.Action = ActionReplayed
@@ -686,14 +694,14 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		switch {
 		case failureLeaseLost:
 			out.Action = ActionError // nothing stored: the record is another holder's
-		case errors.Is(err, pgidem.ErrPermanent):
+		case permanent:
 			out.Action = ActionCancelled // river.JobCancel(pgidem.Permanent(e)): stored as failed
 			out.RecordNotCompleted = notStored != nil
 		default:
 			out.Action = ActionReleased
 		}
 		return err // River's own control errors pass through unchanged
-	case errors.Is(err, pgidem.ErrPermanent) && !failureLeaseLost:
+	case permanent && !failureLeaseLost:
 		// Stored (or replayed), or the store failed to store it: the worker's verdict
 		// stands either way, so River does not retry this job.
 		out.Action = ActionCancelled

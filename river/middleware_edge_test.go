@@ -764,3 +764,28 @@ func TestWorkerErrorWrappingLeaseLostReleases(t *testing.T) {
 	_, err = b.coord.Lookup(b.ctx, "mail.invoice", "order-5.invoice")
 	require.ErrorIs(t, err, pgidem.ErrNotFound, "released")
 }
+
+// A worker error that matches pgidem.ErrPermanent only through a failure a nested pgidem
+// call replayed carries no pgidem.Permanent error: pgidem released the record, so the job
+// is not cancelled as if the failure were stored (a plain error is retried; the worker's
+// own JobCancel passes through as a release). Both used to be reported cancelled, and the
+// plain error was turned into a JobCancel, while the record was released.
+func TestWorkerErrorCarryingReplayedFailureReleases(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.invoiceMiddleware(t, nil)
+	replayed := &pgidem.StoredFailureError{Namespace: "geocode", Key: "street-9", Message: "no such street"}
+	for i, werr := range []error{
+		fmt.Errorf("geocode the address: %w", replayed),
+		river.JobCancel(replayed),
+	} {
+		order := 40 + i
+		err := mw.Work(b.ctx, jobRow(int64(order), "mail.invoice", fmt.Sprintf(`{"order_id":%d}`, order)),
+			func(context.Context) error { return werr })
+		require.Equal(t, werr, err, "case %d: the worker's error, unchanged", i)
+		outs.waitFor(t, pgidemriver.ActionReleased)
+		_, err = b.coord.Lookup(b.ctx, "mail.invoice", fmt.Sprintf("order-%d.invoice", order))
+		require.ErrorIs(t, err, pgidem.ErrNotFound, "case %d: released", i)
+	}
+	require.Zero(t, mw.Stats().Cancelled)
+}

@@ -111,7 +111,7 @@ func TestRivertestWorkTx(t *testing.T) {
 				_, err = pgidemriver.WorkTx(ctx, b.coord, tx, job, "orders", "order-11.ship", testTTL, nil,
 					func(context.Context, pgx.Tx) (int, error) { runs++; return 0, pgidem.Permanent(declined) })
 				last = err
-				if err != nil && !errors.Is(err, pgidem.ErrPermanent) {
+				if !pgidemriver.ShouldCommit(err) {
 					return err
 				}
 				if cerr := tx.Commit(ctx); cerr != nil {

@@ -30,10 +30,11 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 
 // WorkTxResult runs a job's database effect and its completion in the caller's
 // transaction tx and reports how the value was obtained. Call it from a River worker's
-// Work with the job River passed in; commit tx when it returns nil, or an error matching
-// [pgidem.ErrPermanent]; otherwise roll tx back. Return its error from Work as is. (After
-// a permanent failure fn's writes are always undone, so a commit keeps the stored failure,
-// when there is one, and the caller's own writes before WorkTx, as the job is cancelled.)
+// Work with the job River passed in; commit tx when [ShouldCommit] says so (nil, or a
+// river.JobCancel error: River will not run the job again), otherwise roll tx back.
+// Return its error from Work as is. (After an error fn's writes are always undone, so a
+// commit after a cancel keeps the stored failure, when there is one, and the caller's own
+// writes before WorkTx.)
 //
 //	func (w *ShipWorker) Work(ctx context.Context, job *river.Job[ShipArgs]) error {
 //		tx, err := w.db.Begin(ctx) // a *pgxpool.Pool; in tests, rivertest's transaction
@@ -43,7 +44,7 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 //		defer tx.Rollback(ctx)
 //		_, err = pgidemriver.WorkTx(ctx, w.coord, tx, job, "shipments", job.Args.OrderRef(), 7*24*time.Hour, nil,
 //			func(ctx context.Context, tx pgx.Tx) (int64, error) { return insertShipment(ctx, tx, job.Args) })
-//		if err != nil && !errors.Is(err, pgidem.ErrPermanent) {
+//		if !pgidemriver.ShouldCommit(err) {
 //			return err
 //		}
 //		if cerr := tx.Commit(ctx); cerr != nil {
@@ -83,7 +84,9 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 //     undone) and river.JobCancel wrapping it is returned, matching pgidem.ErrPermanent:
 //     commit tx to keep the failure, and River stops; later jobs with the key replay the
 //     failure and are cancelled too. (A replayed stored failure, or one that could not be
-//     stored, also matches ErrPermanent; committing then writes nothing.)
+//     stored, is returned the same way; committing then writes nothing.) An error of fn's
+//     that matches ErrPermanent only through a failure a nested pgidem call replayed
+//     carries no Permanent error: it is an ordinary error of fn's, as above.
 //   - the job is no longer running when WorkTx completes it (River's rescuer made it
 //     retryable or discarded it meanwhile; river.JobCompleteTx then changes nothing): an
 //     error matching [ErrJobNotRunning]. (A job cancelled with River's JobCancel while it
@@ -100,6 +103,16 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 func WorkTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, tx pgx.Tx, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (pgidem.Result[T], error) {
 	res, _, err := workTx(ctx, c, tx, job, namespace, key, ttl, opts, fn)
 	return res, err
+}
+
+// ShouldCommit reports whether a worker commits the transaction it gave [WorkTx] or
+// [WorkTxResult] after they returned err: true for nil, and for an error wrapping a
+// river.JobCancelError (a permanent failure written in the transaction or replayed, or fn's
+// own cancel), since River will not run the job again and the transaction holds what
+// should stay (the job's completion, the stored failure, the worker's own writes). False
+// for any other error: roll back, and River runs the job again. Safe for concurrent use.
+func ShouldCommit(err error) bool {
+	return err == nil || errors.As(err, new(*river.JobCancelError))
 }
 
 // workTx is WorkTxResult; freshFailure reports that fn's permanent failure was written in
@@ -122,7 +135,10 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 	case errors.As(err, &inProgress):
 		// Clamped like the middleware's snooze: never a busy loop, never a whole lease.
 		return res, false, river.JobSnooze(min(max(inProgress.RetryAfter, SnoozeMinDefault), SnoozeMaxDefault))
-	case errors.Is(err, pgidem.ErrPermanent):
+	case res.Replayed || errors.As(err, new(*pgidem.PermanentError)):
+		// A stored failure replayed, or fn's pgidem.Permanent error (stored in tx, or not
+		// stored when pgidem says so). fn's error that matches ErrPermanent only through a
+		// failure a nested call replayed is an ordinary error: DoTx did not store it.
 		_, notStored := err.(*pgidem.FailureNotStoredError)
 		return res, !res.Replayed && !notStored, river.JobCancel(err)
 	default:

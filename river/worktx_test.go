@@ -59,7 +59,7 @@ func (w *shipWorker) Work(ctx context.Context, job *river.Job[ShipArgs]) error {
 	return err
 }
 
-// workTx is the pattern WorkTx's docs show: commit on success or a permanent failure.
+// workTx is the pattern WorkTx's docs show: commit when ShouldCommit says so.
 func (w *shipWorker) workTx(ctx context.Context, job *river.Job[ShipArgs], key string, fn func(context.Context, pgx.Tx) (int64, error)) error {
 	tx, err := w.begin(ctx)
 	if err != nil {
@@ -67,7 +67,7 @@ func (w *shipWorker) workTx(ctx context.Context, job *river.Job[ShipArgs], key s
 	}
 	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after commit
 	_, err = pgidemriver.WorkTx(ctx, w.coord, tx, job, "orders", key, testTTL, w.opts, fn)
-	if err != nil && !errors.Is(err, pgidem.ErrPermanent) {
+	if !pgidemriver.ShouldCommit(err) {
 		return err
 	}
 	if cerr := tx.Commit(ctx); cerr != nil {
@@ -217,5 +217,50 @@ func TestWorkInTxKeepsFreshFailure(t *testing.T) {
 		rec, err := b.coord.Lookup(b.ctx, "orders", key)
 		require.NoError(t, err)
 		require.Equal(t, pgidem.StatusFailed, rec.Status, "case %d", i)
+	}
+}
+
+// fn's error that matches pgidem.ErrPermanent only through a failure a nested pgidem call
+// replayed is an ordinary error: DoTx stores nothing, WorkTx returns it unchanged (not a
+// JobCancel), ShouldCommit says roll back, and the next job runs fn again. It used to be
+// turned into a JobCancel, so River dropped the job while nothing was stored.
+func TestWorkTxNestedReplayedFailureIsOrdinary(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	replayed := &pgidem.StoredFailureError{Namespace: "streets", Key: "s-2", Message: "no such street"}
+	runs := 0
+	for job := range 2 {
+		j := &river.Job[ShipArgs]{JobRow: &rivertype.JobRow{ID: int64(200 + job), Kind: "order.ship", State: rivertype.JobStateRunning}}
+		_, err := pgidemriver.WorkInTx(b.ctx, b.coord, j, "orders", "order-50.ship", testTTL, nil,
+			func(context.Context, pgx.Tx) (int, error) {
+				runs++
+				return 0, fmt.Errorf("validate address: %w", replayed)
+			})
+		require.ErrorIs(t, err, replayed, "job %d", job)
+		var cancel *river.JobCancelError
+		require.False(t, errors.As(err, &cancel), "job %d: not cancelled", job)
+		require.False(t, pgidemriver.ShouldCommit(err), "job %d", job)
+	}
+	require.Equal(t, 2, runs, "nothing was stored, so the second job runs fn again")
+	_, err := b.coord.Lookup(b.ctx, "orders", "order-50.ship")
+	require.ErrorIs(t, err, pgidem.ErrNotFound)
+}
+
+func TestShouldCommit(t *testing.T) {
+	t.Parallel()
+	declined := pgidem.Permanent(errors.New("declined"))
+	for _, c := range []struct {
+		err  error
+		want bool
+	}{
+		{nil, true},
+		{river.JobCancel(declined), true},
+		{fmt.Errorf("work: %w", river.JobCancel(errors.New("gone"))), true},
+		{errors.New("timeout"), false},
+		{declined, false}, // WorkTx never returns a bare Permanent error: it cancels
+		{river.JobSnooze(time.Second), false},
+		{&pgidem.StoredFailureError{Message: "nested"}, false},
+	} {
+		require.Equal(t, c.want, pgidemriver.ShouldCommit(c.err), "%v", c.err)
 	}
 }

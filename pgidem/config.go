@@ -3,6 +3,7 @@ package pgidem
 import (
 	"cmp"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -91,8 +92,9 @@ func (p InFlightPolicy) String() string {
 type Config struct {
 	// Schema is the schema holding pgidem's tables. Default "": unqualified names resolved
 	// through the connection's search_path. Quoted with pgx.Identifier, never spliced, so
-	// any name works; it must be valid UTF-8 without NUL or other control characters and at
-	// most [SchemaMaxBytes] bytes, or NewCoordinator returns an error.
+	// any name works; it must be valid UTF-8 without NUL or other control characters, not
+	// only white space, and at most [SchemaMaxBytes] bytes (the rules of
+	// migrations.CheckSchemaName), or NewCoordinator returns an error.
 	Schema string
 
 	// Lease is how long a reservation stays owned without a heartbeat. The holder renews it
@@ -239,6 +241,9 @@ func (c *Config) validate() error {
 	if c.Schema != "" {
 		if err := validatePart("schema", c.Schema, SchemaMaxBytes); err != nil {
 			return invalidArgument("Config.Schema %q is not a usable schema name: %s", c.Schema, err.(*InvalidKeyError).Reason)
+		}
+		if strings.TrimSpace(c.Schema) == "" {
+			return invalidArgument("Config.Schema %q is not a usable schema name: it is only white space", c.Schema)
 		}
 	}
 	return nil

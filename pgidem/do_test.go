@@ -584,6 +584,7 @@ func TestConfigValidation(t *testing.T) {
 		{pgidem.Config{Schema: "pub\x00lic"}, "Config.Schema"},
 		{pgidem.Config{Schema: "\xff"}, "Config.Schema"},
 		{pgidem.Config{Schema: strings.Repeat("s", pgidem.SchemaMaxBytes+1)}, "Config.Schema"},
+		{pgidem.Config{Schema: "   "}, "Config.Schema"}, // migrations.CheckSchemaName refuses it too
 	} {
 		_, err := pgidem.NewCoordinator(b.db.Pool, &tc.cfg)
 		require.ErrorContains(t, err, tc.field)

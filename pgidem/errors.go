@@ -64,15 +64,17 @@ var (
 	// and nothing is recorded.)
 	ErrResultNotStorable = errors.New("pgidem: result not storable")
 
-	// ErrNotFound is returned by [Coordinator.Lookup] when no record exists for the key.
+	// ErrNotFound is returned by [Coordinator.Lookup] and [Coordinator.Forget] when no
+	// record row exists for the key.
 	ErrNotFound = errors.New("pgidem: record not found")
 
 	// ErrInvalidArgument means a setting or argument other than the key and the TTL is
 	// invalid: a [Config] field out of range ([NewCoordinator]), a nil coordinator, pool,
-	// transaction or fn, a [DoOpts] field other than Lease (an [*InvalidTTLError]) or a
-	// [SweepOpts] field out of range, or a read-only
-	// transaction given to [DoTx] (which must write the record). The error's message names
-	// the field. fn is not run.
+	// transaction or fn (including [Coordinator.InboxHandle]'s fn and
+	// [Coordinator.InboxRecordTx]'s transaction), a [DoOpts] field other than Lease (an
+	// [*InvalidTTLError]) or a [SweepOpts] field out of range, a read-only transaction
+	// given to [DoTx] (which must write the record), or a call for a key from within the
+	// fn of a call that holds it. The error's message names the field. fn is not run.
 	ErrInvalidArgument = errors.New("pgidem: invalid argument")
 )
 

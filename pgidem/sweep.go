@@ -38,7 +38,9 @@ type SweepResult struct {
 // SKIP LOCKED instead of blocking. Cancelling ctx (or its deadline passing) stops the sweep,
 // between batches or mid-statement (that batch rolls back), and returns what was deleted
 // so far with ctx's error, neither logged nor counted as a store error. Database errors are
-// returned as [*StoreError], logged at error and counted ([EventStoreError]).
+// returned as [*StoreError], logged at error and counted ([EventStoreError]). A negative
+// [SweepOpts] field returns an error matching [ErrInvalidArgument] and deletes nothing.
+// Safe for concurrent use.
 func (c *Coordinator) Sweep(ctx context.Context, opts *SweepOpts) (*SweepResult, error) {
 	if opts == nil {
 		opts = &SweepOpts{}

@@ -2,7 +2,6 @@ package pgidemriver
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 
@@ -49,11 +48,13 @@ type MigrateOpts struct {
 // the lock, or the migration in progress (each River migration runs in its own
 // transaction). It returns the versions this call applied (none when River's schema is
 // current) and, on failure, an error prefixed "pgidemriver: MigrateRiver: " wrapping
-// rivermigrate's or the driver's (a context error when ctx ended). Safe for concurrent use:
+// rivermigrate's or the driver's (a context error when ctx ended; an error matching
+// [pgidem.ErrInvalidArgument] for a nil pool). Opts.Schema must exist: like River's
+// migrator, MigrateRiver does not create it. Safe for concurrent use:
 // concurrent calls, in one process or many, are the case the lock exists for.
 func MigrateRiver(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) (*rivermigrate.MigrateResult, error) {
 	if pool == nil {
-		return nil, errors.New("pgidemriver: MigrateRiver: pool is nil")
+		return nil, invalid("MigrateRiver: pool must not be nil")
 	}
 	if opts == nil {
 		opts = &MigrateOpts{}

@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgidem/pgidem/pgidem"
 	pgidemriver "github.com/pgidem/pgidem/river"
 )
 
@@ -112,4 +113,11 @@ func TestMigrateRiverPoolConnection(t *testing.T) {
 		_, err := conn.Exec(b.ctx, `SELECT pg_advisory_unlock($1)`, pgidemriver.MigrateLockID)
 		return err
 	}))
+}
+
+// A nil pool is a caller's mistake, reported like the package's other nil arguments.
+func TestMigrateRiverNilPool(t *testing.T) {
+	t.Parallel()
+	_, err := pgidemriver.MigrateRiver(context.Background(), nil, nil)
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 }

@@ -62,7 +62,10 @@ type KeyArgs interface {
 // across two namespaces. Jobs of different kinds that perform the same effect return the
 // same namespace so their keys collide on purpose. The namespace is limited like any
 // pgidem namespace ([pgidem.Config.MaxNamespaceBytes]); an invalid one fails the job with
-// an error matching [pgidem.ErrInvalidKey] without running the worker.
+// an error matching [pgidem.ErrInvalidKey] without running the worker. That includes the
+// default: River allows kinds of up to 128 characters, pgidem namespaces 64 bytes by
+// default, so a longer kind needs this method (or [Config.ExcludeKinds]);
+// [Middleware.Register] logs an error for a registered kind that would fail.
 type NamespaceArgs interface {
 	IdempotencyNamespace() string
 }
@@ -435,7 +438,9 @@ func AddWorker[T river.JobArgs](workers *river.Workers, m *Middleware, worker ri
 // excluded when the canonical kind is in [Config.ExcludeKinds]. Registering a kind again
 // replaces the earlier type. A [TTLArgs] TTL the coordinator refuses (below
 // [pgidem.Config.MinTTL], or not longer than its lease) is logged at error: every job of
-// the kind would fail with [pgidem.ErrInvalidTTL] before its worker runs. Call it before
+// the kind would fail with [pgidem.ErrInvalidTTL] before its worker runs. So is a kind
+// longer than [pgidem.Config.MaxNamespaceBytes] whose args do not implement
+// [NamespaceArgs] (jobs would fail with [pgidem.ErrInvalidKey]). Call it before
 // the client starts; safe for concurrent use. It panics on a nil args value, as
 // river.AddWorker does on a nil worker.
 func (m *Middleware) Register(args ...river.JobArgs) {
@@ -454,6 +459,13 @@ func (m *Middleware) Register(args ...river.JobArgs) {
 				m.config.Logger.Error("pgidemriver: IdempotencyTTL is refused by the coordinator; every job of the kind will fail before its worker runs",
 					slog.String("job_kind", info.kind), slog.Duration("ttl", info.ttl),
 					slog.Duration("min_ttl", cc.MinTTL), slog.Duration("lease", cc.Lease))
+			}
+		}
+		if _, named := implementation[NamespaceArgs](a); !named && !m.exclude[info.kind] {
+			if limit := m.coord.Config().MaxNamespaceBytes; len(info.kind) > limit {
+				m.config.Logger.Error("pgidemriver: job kind is longer than a pgidem namespace may be; every job of the kind will fail before its worker runs "+
+					"(implement NamespaceArgs, or exclude the kind)",
+					slog.String("job_kind", info.kind), slog.Int("kind_bytes", len(info.kind)), slog.Int("max_namespace_bytes", limit))
 			}
 		}
 		kinds := []string{a.Kind()}

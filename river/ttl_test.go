@@ -182,3 +182,30 @@ func TestRegisterRefusedTTL(t *testing.T) {
 	require.Contains(t, logs.String(), "job_kind=report.short")
 	require.PanicsWithValue(t, "pgidemriver: Register: nil job args", func() { mw.Register(nil) })
 }
+
+// longKind is a kind River accepts but longer than a pgidem namespace (64 bytes).
+const longKind = "billing.invoices.monthly_statement_for_enterprise_customers_with_addenda"
+
+type LongKindArgs struct{}
+
+func (LongKindArgs) Kind() string           { return longKind }
+func (LongKindArgs) IdempotencyKey() string { return "k" }
+
+type LongKindNamedArgs struct{ LongKindArgs }
+
+func (LongKindNamedArgs) Kind() string                 { return longKind + ".named" }
+func (LongKindNamedArgs) IdempotencyNamespace() string { return "billing.statements" }
+
+// A registered kind too long to be its own namespace is logged at error when registered:
+// every job of it would fail before its worker runs. Not when the args name their
+// namespace.
+func TestRegisterKindTooLongForNamespace(t *testing.T) {
+	t.Parallel()
+	require.Greater(t, len(longKind), pgidem.MaxNamespaceBytesDefault)
+	mw, logs, _ := offlineMiddleware(t)
+	mw.Register(LongKindNamedArgs{})
+	require.Empty(t, logs.String())
+	mw.Register(LongKindArgs{})
+	require.Contains(t, logs.String(), "level=ERROR")
+	require.Contains(t, logs.String(), "job_kind="+longKind)
+}

@@ -90,8 +90,10 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // heartbeat: its record expires a ttl after its lease, so a dead holder is always taken
 // over first): at least [Config.MinTTL] and longer than the lease, or [*InvalidTTLError].
 // Make it outlive the queue's retry and retention horizon ([DoOpts.Lease] out of range
-// returns the same error). A nil c or fn, another [DoOpts] field out of range, or a call for the key from within the fn of a call holding it (it would
-// wait for itself) returns an error matching [ErrInvalidArgument]; fn is not run.
+// returns the same error). A nil c or fn, another [DoOpts] field out of range, or a call
+// for the key from within the fn of a call holding it, directly or through calls for other
+// keys (it would wait for itself), returns an error matching [ErrInvalidArgument]; fn is
+// not run.
 //
 // The first caller reserves the key and runs fn with a context that carries the key
 // ([KeyFromContext]) and is cancelled with cause [ErrLeaseLost] if the reservation is

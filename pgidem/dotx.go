@@ -241,8 +241,9 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // returned as a [*StoreError]; after one, roll tx back. [Config.FailOpen] does not apply:
 // the effect lives in the same database. A read-only tx (it could never write the record)
 // returns an error matching [ErrInvalidArgument] before fn runs, as do nil arguments and
-// a call for the key from within the fn of a call holding it (in the same transaction it
-// would find its own record and run fn again and again). tx
+// a call for the key from within the fn of a call holding it, directly or through calls for
+// other keys (in the same transaction it would find no record yet and run fn again and
+// again). tx
 // must be on the coordinator's database: a record written elsewhere is not seen by its
 // other calls. DoTx is safe for concurrent use on different transactions; a pgx.Tx itself
 // is not safe for concurrent use.

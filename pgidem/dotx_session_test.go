@@ -78,6 +78,31 @@ func TestCallForHeldKeyFromFn(t *testing.T) {
 	})
 	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 
+	// Through another key (A's fn calls B, B's fn calls A): refused too. DoTx used to see
+	// only the innermost key, and A's fn ran again inside B's, without end.
+	outer.Store(0)
+	var middle atomic.Int32
+	var fnA func(ctx context.Context, tx pgx.Tx) (int64, error)
+	fnA = func(ctx context.Context, tx pgx.Tx) (int64, error) {
+		if outer.Add(1) > 3 {
+			return 0, errors.New("A ran again inside itself")
+		}
+		return pgidem.DoTx(ctx, b.coord, tx, "ledger", "B", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			middle.Add(1)
+			return pgidem.DoTx(ctx, b.coord, tx, "ledger", "A", testTTL, nil, fnA)
+		})
+	}
+	_, err = pgidem.DoInTx(b.ctx, b.coord, "ledger", "A", testTTL, nil, fnA)
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.EqualValues(t, 1, outer.Load())
+	require.EqualValues(t, 1, middle.Load())
+	_, err = pgidem.Do(b.ctx, b.coord, "mail", "A", testTTL, nil, func(ctx context.Context) (int, error) {
+		return pgidem.Do(ctx, b.coord, "mail", "B", testTTL, nil, func(ctx context.Context) (int, error) {
+			return pgidem.Do(ctx, b.coord, "mail", "A", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+		})
+	})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+
 	// Another key from within fn is fine.
 	_, err = pgidem.DoInTx(b.ctx, b.coord, "ledger", "outer", testTTL, nil,
 		func(ctx context.Context, tx pgx.Tx) (int64, error) {

@@ -37,12 +37,16 @@ func validatePart(field, s string, maxBytes int) error {
 
 type keyContextKey struct{}
 
+// keyInfo is a key a call holds while its fn runs, linked to the key held by the call
+// whose fn made that call (nil at the outermost).
 type keyInfo struct {
 	namespace, key string
+	outer          *keyInfo
 }
 
 func withKey(ctx context.Context, namespace, key string) context.Context {
-	return context.WithValue(ctx, keyContextKey{}, keyInfo{namespace, key})
+	outer, _ := ctx.Value(keyContextKey{}).(*keyInfo)
+	return context.WithValue(ctx, keyContextKey{}, &keyInfo{namespace, key, outer})
 }
 
 // KeyFromContext returns the namespace and idempotency key of the reservation fn runs
@@ -51,17 +55,24 @@ func withKey(ctx context.Context, namespace, key string) context.Context {
 // is the only crash-safe boundary for a foreign effect, and reusing the same key there makes
 // a takeover's second run harmless.
 func KeyFromContext(ctx context.Context) (namespace, key string, ok bool) {
-	info, ok := ctx.Value(keyContextKey{}).(keyInfo)
-	return info.namespace, info.key, ok
+	info, ok := ctx.Value(keyContextKey{}).(*keyInfo)
+	if !ok {
+		return "", "", false
+	}
+	return info.namespace, info.key, true
 }
 
 // checkNotHeld refuses a call for (namespace, key) made from within the fn of a call that
-// holds that same key (its context carries it, [KeyFromContext]): the inner call would
-// wait for the outer one, which waits for it, or (DoTx in the same transaction) find its
-// own record and run fn again and again.
+// holds that same key, directly or through calls for other keys in between (A's fn calls
+// B, whose fn calls A): the inner call would wait for the outer one, which waits for it,
+// or (DoTx in the same transaction, whose lock is re-entrant) find no record yet and run
+// fn again and again.
 func checkNotHeld(ctx context.Context, op, namespace, key string) error {
-	if ns, k, ok := KeyFromContext(ctx); ok && ns == namespace && k == key {
-		return invalidArgument("%s: %s/%s is called from within the fn of a call holding that key", op, namespace, key)
+	info, _ := ctx.Value(keyContextKey{}).(*keyInfo)
+	for ; info != nil; info = info.outer {
+		if info.namespace == namespace && info.key == key {
+			return invalidArgument("%s: %s/%s is called from within the fn of a call holding that key", op, namespace, key)
+		}
 	}
 	return nil
 }

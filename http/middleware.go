@@ -381,7 +381,7 @@ func RequestKey(ctx context.Context) (principal, key string, ok bool) {
 //   - scoped to the caller, it never gives one caller's effect to another, as the client's
 //     bare key could (two callers may send the same one);
 //   - scoped to the request, a different request under the key (once the middleware's
-//     record was released after a 5xx, or expired) gets other keys and runs its effects
+//     first record was released after a 5xx, or expired) gets other keys and runs its effects
 //     afresh, instead of being handed the first request's charge or row.
 //
 // ok is false when ctx is not a handler's under a Middleware, or the request carries no

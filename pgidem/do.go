@@ -25,7 +25,10 @@ type DoOpts struct {
 	// request body or the fields that matter). It is stored on reserve and compared on every
 	// later path — replay, in progress, takeover — when both the stored and the given
 	// fingerprint are non-nil; a difference returns [ErrFingerprintMismatch] and fn is not
-	// run. Default nil: no check.
+	// run. A released first reservation is deleted and binds nothing, but a record released
+	// after a takeover keeps its fingerprint: the dead holder may have run the effect for
+	// that payload, so another payload under the key stays refused until the record
+	// expires. Default nil: no check.
 	Fingerprint []byte
 
 	// InFlight overrides [Config.InFlight] for this call. Default [InFlightDefault].

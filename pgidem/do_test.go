@@ -504,6 +504,25 @@ func TestFingerprint(t *testing.T) {
 		require.True(t, res.TookOver)
 		require.Equal(t, []byte("A"), b.lookup(t, "fp", "dead").Fingerprint, "survives takeover")
 	})
+
+	// A record released after a takeover is kept, and so is its fingerprint: the dead
+	// holder may have run the effect for payload A. A released first reservation is
+	// deleted and binds nothing.
+	t.Run("ReleasedAfterTakeover", func(t *testing.T) {
+		fail := func(context.Context) (string, error) { return "", errors.New("fn failed") }
+		b.insertDeadHolder(t, "fp", "kept", []byte("A"))
+		res, err := pgidem.DoResult(b.ctx, b.coord, "fp", "kept", testTTL, fpA, fail)
+		require.EqualError(t, err, "fn failed")
+		require.True(t, res.TookOver)
+		_, err = pgidem.Do(b.ctx, b.coord, "fp", "kept", testTTL, fpB, mustNotRun)
+		require.ErrorIs(t, err, pgidem.ErrFingerprintMismatch)
+
+		_, err = pgidem.Do(b.ctx, b.coord, "fp", "first", testTTL, fpA, fail)
+		require.EqualError(t, err, "fn failed")
+		v, err := pgidem.Do(b.ctx, b.coord, "fp", "first", testTTL, fpB, ok)
+		require.NoError(t, err)
+		require.Equal(t, "v", v)
+	})
 }
 
 func TestInvalidInput(t *testing.T) {

@@ -626,6 +626,16 @@ func TestConnection(t *testing.T) {
 		require.NotContains(t, line, "s3cret")
 	})
 
+	t.Run("UnparsableUserWithoutPassword", func(t *testing.T) {
+		t.Parallel()
+		// A user name is no secret: the reason is shown (it used to be withheld for any '@').
+		line := requireFail(t, cli(t, "postgres://alice@127.0.0.1:5432/db?sslmode=bogus", "stats"), 1)
+		require.Contains(t, line, "sslmode is invalid")
+		line = requireFail(t, cli(t, "postgres://alice:s3cret@127.0.0.1:5432/db?sslmode=bogus", "stats"), 1)
+		require.Contains(t, line, "details withheld")
+		require.NotContains(t, line, "s3cret")
+	})
+
 	t.Run("UnparsableSpacedPassword", func(t *testing.T) {
 		t.Parallel()
 		// libpq accepts spaces around '='; pgconn's best-effort masking does not see this

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -137,10 +138,28 @@ func connectError(cfg *pgx.ConnConfig, source string, err error) error {
 // end a URL's user:password) the message names only its source; pgconn's detail is kept
 // for strings that cannot hold one.
 func parseError(connString, source string, err error) error {
-	if strings.Contains(strings.ToLower(connString), "password") || strings.Contains(connString, "@") {
+	if mayHoldPassword(connString) {
 		return fmt.Errorf("pgidem: invalid connection string from %s: it could not be parsed (details withheld: the string may contain a password)", source)
 	}
 	return fmt.Errorf("pgidem: invalid connection string from %s: %w", source, err)
+}
+
+// mayHoldPassword reports whether connString may carry a password that a parse error
+// would repeat: a password setting anywhere, a URL whose user info has a password, or a
+// URL too broken to tell. A URL with a user name only (postgres://app@host/db) does not.
+func mayHoldPassword(connString string) bool {
+	if strings.Contains(strings.ToLower(connString), "password") {
+		return true
+	}
+	if !strings.HasPrefix(connString, "postgres://") && !strings.HasPrefix(connString, "postgresql://") {
+		return false // keyword/value form: a password is only ever a password= setting
+	}
+	u, err := url.Parse(connString)
+	if err != nil {
+		return strings.Contains(connString, "@")
+	}
+	_, has := u.User.Password()
+	return has
 }
 
 // describeAddress lists the host(s) a connection attempt tries, first to last.

@@ -69,6 +69,15 @@ const (
 	LockRetryAttempts = 300
 )
 
+// ErrManagedElsewhere is returned (wrapped, with the schema named) by [NewProvider] and so
+// by every function of this package when pgidem's tables exist in the current schema but
+// [VersionTable] records no migration there: they were created by another migration tool,
+// from pgidem's files copied into the application's own migrations (docs/migrations.md).
+// That tool's history is the one that knows them; applying the files again from here would
+// fail on the existing tables, so nothing is run or created. Keep migrating them with that
+// tool.
+var ErrManagedElsewhere = errors.New("pgidem: migrations: pgidem's tables are managed by another migration tool")
+
 // FS returns the migration files: goose SQL files named NNNNN_description.sql at the root
 // of the returned file system. It is read only and safe for concurrent use.
 func FS() fs.FS {
@@ -80,7 +89,7 @@ func FS() fs.FS {
 	return sub
 }
 
-// Opts are optional settings for [NewProvider], [Up], [Down], [Reset] and [Status]. A nil
+// Opts are optional settings for [NewProvider], [Up], [Down], [DownTo], [Reset] and [Status]. A nil
 // *Opts means all defaults.
 type Opts struct {
 	// Schema, when non-empty, is the schema pgidem's tables and version table live in. It
@@ -182,7 +191,9 @@ func OpenDB(connString, schema string) (*sql.DB, error) {
 //     migrating the current schema would install it a second time (as happens when a
 //     schema named after the role appears in front of public on the default search_path
 //     "$user", public). The error names that schema; pass it as Opts.Schema and to
-//     [OpenDB].
+//     [OpenDB];
+//   - pgidem's tables are in the current schema but [VersionTable] records no migration
+//     there: another tool installed them ([ErrManagedElsewhere]).
 //
 // Like goose's own provider, the returned provider creates [VersionTable] in the current
 // schema on its first operation, Status and version queries included; [Status], [Down],
@@ -202,6 +213,9 @@ func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, 
 			return nil, err
 		}
 	} else if err := checkNotInstalledElsewhere(ctx, db); err != nil {
+		return nil, err
+	}
+	if err := checkManagedHere(ctx, db); err != nil {
 		return nil, err
 	}
 	locker, err := lock.NewPostgresSessionLocker(
@@ -288,6 +302,45 @@ func checkNotInstalledElsewhere(ctx context.Context, db *sql.DB) error {
 	}
 	return fmt.Errorf("pgidem: migrations: pgidem is installed in schema %q (table %s), which is on the search_path, but the connection's current schema is %q, where it is not: migrating would install pgidem a second time; point at the installation with Opts.Schema %q and migrations.OpenDB(connString, %q) (pgidem --schema %s)",
 		schema, pgx.Identifier{schema, VersionTable}.Sanitize(), current.String, schema, schema, pgx.Identifier{schema}.Sanitize())
+}
+
+// managedSQL says whether the current schema holds pgidem_record and whether it holds
+// [VersionTable] ($1).
+const managedSQL = `
+SELECT
+	EXISTS (SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+		WHERE c.relname = 'pgidem_record' AND n.nspname = current_schema()),
+	EXISTS (SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+		WHERE c.relname = $1 AND n.nspname = current_schema()),
+	coalesce(current_schema(), '')`
+
+// checkManagedHere returns an error matching [ErrManagedElsewhere] when the current schema
+// holds pgidem_record but [VersionTable] records no applied migration there.
+func checkManagedHere(ctx context.Context, db *sql.DB) error {
+	var (
+		hasRecord, hasVersions bool
+		current                string
+	)
+	if err := db.QueryRowContext(ctx, managedSQL, VersionTable).Scan(&hasRecord, &hasVersions, &current); err != nil {
+		return fmt.Errorf("pgidem: migrations: look for pgidem's tables: %w", err)
+	}
+	if !hasRecord {
+		return nil
+	}
+	if hasVersions {
+		// Unqualified, the name resolves to the current schema: it is the first schema of
+		// the search_path and holds the table.
+		var applied bool
+		if err := db.QueryRowContext(ctx, "SELECT EXISTS (SELECT 1 FROM "+pgx.Identifier{VersionTable}.Sanitize()+" WHERE version_id > 0)").Scan(&applied); err != nil {
+			return fmt.Errorf("pgidem: migrations: read %s: %w", VersionTable, err)
+		}
+		if applied {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: schema %q holds %s but %s records no pgidem migration, so another tool "+
+		"(pgidem's files copied into your own migrations) created them; migrate them with that tool",
+		ErrManagedElsewhere, current, pgx.Identifier{current, "pgidem_record"}.Sanitize(), VersionTable)
 }
 
 // createSchema creates schema if it does not exist and checks that it is db's current
@@ -399,8 +452,10 @@ func installed(ctx context.Context, db *sql.DB) (bool, error) {
 // Where pgidem was never installed ([Installed] is false) it does nothing and creates
 // nothing. It holds [LockID] like [Up], and returns the errors of [NewProvider] (a missing
 // Opts.Schema among them). A rollback removes what the migration created, rows included:
-// rolling back the first migration deletes every record. [Reset] rolls back all of them;
-// [NewProvider] and DownTo roll back to a version.
+// rolling back the first migration deletes every record. [Reset] rolls back all of them,
+// [DownTo] those above a version. A database at a version newer than this build's latest
+// migration (a newer release migrated it, and a deploy was rolled back) returns an error
+// and rolls back nothing: this build does not have that migration's down part.
 func Down(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, error) {
 	return down(ctx, db, opts, func(p *goose.Provider) ([]*goose.MigrationResult, error) {
 		res, err := p.Down(ctx)
@@ -417,11 +472,23 @@ func Down(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult
 // Reset rolls back every applied pgidem migration, removing all of pgidem's tables
 // (records and their data included), like goose's reset and `pgidem migrate down --to 0`.
 // It leaves the version table, holding only goose's initial version-0 row, and the
-// schema. Where pgidem was never installed ([Installed] is false) it does nothing and
-// creates nothing. It holds [LockID] like [Up], and returns the errors of [NewProvider] (a
-// missing Opts.Schema among them).
+// schema. It is DownTo(ctx, db, opts, 0); see [DownTo].
 func Reset(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, error) {
-	return down(ctx, db, opts, func(p *goose.Provider) ([]*goose.MigrationResult, error) { return p.DownTo(ctx, 0) })
+	return DownTo(ctx, db, opts, 0)
+}
+
+// DownTo rolls back every applied pgidem migration above version, newest first, like
+// goose's down-to and `pgidem migrate down --to VERSION`, and returns them (none when the
+// database is at version or below). A rollback removes what the migration created, rows
+// included. Where pgidem was never installed ([Installed] is false) it does nothing and
+// creates nothing. It holds [LockID] like [Up], returns the errors of [NewProvider] (a
+// missing Opts.Schema among them) and, like [Down], refuses a database at a version newer
+// than this build's latest migration. A negative version returns an error.
+func DownTo(ctx context.Context, db *sql.DB, opts *Opts, version int64) ([]*goose.MigrationResult, error) {
+	if version < 0 {
+		return nil, fmt.Errorf("pgidem: migrations: down: version %d is negative", version)
+	}
+	return down(ctx, db, opts, func(p *goose.Provider) ([]*goose.MigrationResult, error) { return p.DownTo(ctx, version) })
 }
 
 // down runs a rollback step on pgidem's provider where pgidem is installed.
@@ -432,6 +499,13 @@ func down(ctx context.Context, db *sql.DB, opts *Opts, step func(*goose.Provider
 	}
 	if ok, err := installed(ctx, db); err != nil || !ok {
 		return nil, err
+	}
+	if current, latest, err := provider.GetVersions(ctx); err != nil {
+		return nil, fmt.Errorf("pgidem: migrations: down: read version: %w", err)
+	} else if current > latest {
+		return nil, fmt.Errorf("pgidem: migrations: down: the database is at pgidem schema version %d, newer than "+
+			"the latest migration this build has (%d): it was migrated by a newer pgidem release; roll back with that release",
+			current, latest)
 	}
 	results, err := step(provider)
 	if err != nil {

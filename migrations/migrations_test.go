@@ -393,3 +393,42 @@ func TestSchemaWithoutUsage(t *testing.T) {
 	require.ErrorContains(t, err, "USAGE")
 	require.NoError(t, db.Close()) // before the role is dropped
 }
+
+// pgidem's files copied into the application's own migrations (docs/migrations.md) create
+// pgidem's tables without pgidem's version table. Every function here then refuses with
+// ErrManagedElsewhere and creates nothing: Up used to fail on the existing tables after
+// creating the version table, and Installed and Status said nothing was applied. A
+// version table left holding only goose's version-0 row (by such a failed Up) changes
+// nothing.
+func TestManagedByAnotherTool(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tdb := testdb.NewUnmigrated(t)
+	db := open(t, tdb.URL, "")
+	app, err := goose.NewProvider(goose.DialectPostgres, db, migrations.FS(), goose.WithDisableGlobalRegistry(true))
+	require.NoError(t, err)
+	_, err = app.Up(ctx)
+	require.NoError(t, err)
+
+	check := func() {
+		t.Helper()
+		_, err := migrations.Installed(ctx, db, nil)
+		require.ErrorIs(t, err, migrations.ErrManagedElsewhere)
+		require.ErrorContains(t, err, `schema "public"`)
+		_, err = migrations.Status(ctx, db, nil)
+		require.ErrorIs(t, err, migrations.ErrManagedElsewhere)
+		for _, run := range []func(context.Context, *sql.DB, *migrations.Opts) ([]*goose.MigrationResult, error){migrations.Up, migrations.Down, migrations.Reset} {
+			results, err := run(ctx, db, nil)
+			require.ErrorIs(t, err, migrations.ErrManagedElsewhere)
+			require.Empty(t, results)
+		}
+		require.True(t, tableExists(t, db, "public", "pgidem_record"), "nothing rolled back")
+	}
+	check()
+	require.False(t, tableExists(t, db, "public", migrations.VersionTable), "nothing created")
+
+	_, err = db.ExecContext(ctx, `CREATE TABLE `+migrations.VersionTable+` (id serial PRIMARY KEY, version_id bigint NOT NULL, is_applied boolean NOT NULL, tstamp timestamp DEFAULT now());
+		INSERT INTO `+migrations.VersionTable+` (version_id, is_applied) VALUES (0, true)`)
+	require.NoError(t, err)
+	check()
+}

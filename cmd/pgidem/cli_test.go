@@ -920,3 +920,79 @@ func TestMigrateRiver(t *testing.T) {
 		require.Equal(t, []string{"idem"}, relationSchema(t, other, "pgidem_record"))
 	})
 }
+
+// migrate down refuses to drop tables that hold rows unless --force, names them with their
+// row counts, and refuses --to above the current version as a usage error.
+func TestMigrateDownGuards(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	latest, _ := latestVersion(t)
+	coord, err := pgidem.NewCoordinator(db.Pool, nil)
+	require.NoError(t, err)
+	_, err = pgidem.Do(ctx, coord, "invoices", "order-1", time.Hour, nil, func(context.Context) (int, error) { return 1, nil })
+	require.NoError(t, err)
+
+	line := requireFail(t, cli(t, db.URL, "migrate", "down", "--to", strconv.FormatInt(latest+1, 10)), 2)
+	require.Contains(t, line, "is above the current version")
+
+	// The view's rollback drops no table: allowed.
+	require.Contains(t, requireOK(t, cli(t, db.URL, "migrate", "down")), "rolled back 00003_")
+	line = requireFail(t, cli(t, db.URL, "migrate", "down", "--to", "0"), 1)
+	require.Contains(t, line, "refused: it would drop pgidem_record (1 row)")
+	require.Contains(t, line, "--force")
+	var records int
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM pgidem_record`).Scan(&records))
+	require.Equal(t, 1, records, "nothing was rolled back")
+	// The inbox is empty, so its own rollback goes ahead.
+	require.Contains(t, requireOK(t, cli(t, db.URL, "migrate", "down")), "rolled back 00002_")
+	require.Contains(t, requireOK(t, cli(t, db.URL, "migrate", "down", "--force")), "rolled back 00001_")
+}
+
+// A database a newer release migrated: version, status and up say so, and down refuses
+// to roll back a migration this build does not have. It used to print the version bare,
+// call the schema up to date, and fail down with goose's "version not found".
+func TestMigrateNewerDatabase(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	latest, _ := latestVersion(t)
+	newer := strconv.FormatInt(latest+1, 10)
+	_, err := db.Pool.Exec(ctx, `INSERT INTO `+migrations.VersionTable+` (version_id, is_applied) VALUES ($1, true)`, latest+1)
+	require.NoError(t, err)
+
+	require.Equal(t, newer+" (newer than this pgidem's latest migration, "+strconv.FormatInt(latest, 10)+": a newer release migrated the database)\n",
+		requireOK(t, cli(t, db.URL, "migrate", "version")))
+	require.Contains(t, requireOK(t, cli(t, db.URL, "migrate", "status")), "the database is at version "+newer+", newer than")
+	require.Contains(t, requireOK(t, cli(t, db.URL, "migrate", "up")), "nothing to apply; pgidem schema is at version "+newer)
+	line := requireFail(t, cli(t, db.URL, "migrate", "down"), 1)
+	require.Contains(t, line, "roll back with that release's pgidem")
+	sqlDB, err := migrations.OpenDB(db.URL, "")
+	require.NoError(t, err)
+	defer sqlDB.Close()
+	_, err = migrations.Down(ctx, sqlDB, nil)
+	require.ErrorContains(t, err, "newer than the latest migration this build has")
+}
+
+// pgidem's files applied by another tool (copied into the application's goose directory):
+// every migrate command refuses with the reason instead of reporting version 0 and
+// telling the operator to run up, which then failed on the existing tables.
+func TestMigrateManagedElsewhere(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.NewUnmigrated(t)
+	for _, name := range []string{"00001_create_pgidem_record.sql", "00002_create_pgidem_inbox.sql"} {
+		text, err := fs.ReadFile(migrations.FS(), name)
+		require.NoError(t, err)
+		up, _, _ := strings.Cut(strings.SplitN(string(text), "-- +goose Up", 2)[1], "-- +goose Down")
+		_, err = db.Pool.Exec(ctx, up)
+		require.NoError(t, err, name)
+	}
+	for _, args := range [][]string{{"migrate", "version"}, {"migrate", "status"}, {"migrate", "up"}, {"migrate", "down"}} {
+		line := requireFail(t, cli(t, db.URL, args...), 1)
+		require.Contains(t, line, "managed by another migration tool", args)
+	}
+	var versionTable bool
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, migrations.VersionTable).Scan(&versionTable))
+	require.False(t, versionTable, "nothing created")
+}

@@ -4,10 +4,13 @@ import (
 	"cmp"
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
+	"io/fs"
+	"regexp"
+	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/pressly/goose/v3"
 	"github.com/spf13/cobra"
 
@@ -57,22 +60,6 @@ type riverMigrationJSON struct {
 	Version    int     `json:"version"`
 	Name       string  `json:"name"`
 	DurationMS float64 `json:"duration_ms"`
-}
-
-// withProvider connects and runs fn with a goose provider for pgidem's migrations, and
-// whether pgidem is installed where it points (migrations.Installed): where it is not, the
-// read-only commands answer without the provider, which would create the version table.
-func (a *app) withProvider(ctx context.Context, fn func(p *goose.Provider, installed bool) error) error {
-	db, err := a.connectDB(ctx)
-	if err != nil {
-		return err
-	}
-	defer db.Close()
-	installed, err := migrations.Installed(ctx, db, &migrations.Opts{Schema: a.schema})
-	if err != nil {
-		return err
-	}
-	return a.withProviderDB(ctx, db, func(p *goose.Provider) error { return fn(p, installed) })
 }
 
 func (a *app) withProviderDB(ctx context.Context, db *sql.DB, fn func(*goose.Provider) error) error {
@@ -130,9 +117,14 @@ two deploys migrating River at once would otherwise race. River's tables go to
 				if a.json {
 					return nil
 				}
-				if len(results) == 0 {
+				sources := p.ListSources()
+				latest := sources[len(sources)-1].Version
+				switch {
+				case len(results) == 0 && version > latest:
+					fmt.Fprintf(a.stdout, "nothing to apply; pgidem schema is at version %d, %s\n", version, newerNote(latest))
+				case len(results) == 0:
 					fmt.Fprintf(a.stdout, "pgidem schema is up to date at version %d\n", out.Version)
-				} else {
+				default:
 					fmt.Fprintf(a.stdout, "pgidem schema is now at version %d\n", out.Version)
 				}
 				return nil
@@ -189,65 +181,156 @@ func (a *app) migrateRiver(ctx context.Context, schema string) ([]riverMigration
 }
 
 func (a *app) migrateDownCommand() *cobra.Command {
-	var to int64
+	var (
+		to    int64
+		force bool
+	)
 	cmd := &cobra.Command{
 		Use:   "down",
 		Short: "Roll back the most recent pgidem migration (or down to --to VERSION)",
 		Long: `Rolls back the most recently applied pgidem migration, like goose's down. With --to
 VERSION it rolls back every migration above VERSION; --to 0 removes every pgidem object
-(records included) but the version table, which keeps goose's initial version-0 row.`,
-		Example: "  pgidem migrate down\n  pgidem migrate down --to 0",
+(records included) but the version table, which keeps goose's initial version-0 row.
+
+A rollback that would drop a table holding rows (pgidem_record: every completed key would
+run its effect again; pgidem_inbox: every recorded message would be handled again) is
+refused, naming the tables and their row counts, unless --force is given.`,
+		Example: "  pgidem migrate down\n  pgidem migrate down --to 0 --force",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
-			if cmd.Flags().Changed("to") && to < 0 {
+			toSet := cmd.Flags().Changed("to")
+			if toSet && to < 0 {
 				return usagef("--to must be a version >= 0, got %d", to)
 			}
-			return a.withProvider(ctx, func(p *goose.Provider, installed bool) error {
-				if !installed {
-					if a.json {
-						return printJSON(a.stdout, migrateResultJSON{Applied: []migrationJSON{}, RolledBack: []migrationJSON{}})
-					}
-					fmt.Fprintln(a.stdout, "nothing to roll back; pgidem is not installed here")
-					return nil
-				}
-				var results []*goose.MigrationResult
-				var err error
-				if cmd.Flags().Changed("to") {
-					results, err = p.DownTo(ctx, to)
-				} else {
-					var res *goose.MigrationResult
-					res, err = p.Down(ctx)
-					if res != nil {
-						results = append(results, res)
-					}
-					if errors.Is(err, goose.ErrNoNextVersion) {
-						err = nil
-					}
-				}
-				if err != nil {
-					a.printMigrations("rolled back", results)
-					return fmt.Errorf("pgidem: migrate down: %w", err)
-				}
-				out := migrateResultJSON{Applied: []migrationJSON{}, RolledBack: resultsJSON(results)}
-				if out.Version, err = p.GetDBVersion(ctx); err != nil {
-					return fmt.Errorf("pgidem: migrate down: read version: %w", err)
-				}
+			db, err := a.connectDB(ctx)
+			if err != nil {
+				return err
+			}
+			defer db.Close()
+			opts := &migrations.Opts{Schema: a.schema}
+			installed, err := migrations.Installed(ctx, db, opts)
+			if err != nil {
+				return err
+			}
+			if !installed {
 				if a.json {
-					return printJSON(a.stdout, out)
+					return printJSON(a.stdout, migrateResultJSON{Applied: []migrationJSON{}, RolledBack: []migrationJSON{}})
 				}
-				a.printMigrations("rolled back", results)
-				if len(results) == 0 {
-					fmt.Fprintf(a.stdout, "nothing to roll back; pgidem schema is at version %d\n", out.Version)
-				} else {
-					fmt.Fprintf(a.stdout, "pgidem schema is now at version %d\n", out.Version)
-				}
+				fmt.Fprintln(a.stdout, "nothing to roll back; pgidem is not installed here")
 				return nil
+			}
+			var current, latest int64
+			err = a.withProviderDB(ctx, db, func(p *goose.Provider) error {
+				current, latest, err = p.GetVersions(ctx)
+				return err
 			})
+			if err != nil {
+				return fmt.Errorf("pgidem: migrate down: read version: %w", err)
+			}
+			if toSet && to > current {
+				return usagef("--to %d is above the current version %d: nothing to roll back", to, current)
+			}
+			if current > latest {
+				return fmt.Errorf("pgidem: migrate down: the database is at version %d, newer than this pgidem's latest migration (%d): "+
+					"a newer release migrated it; roll back with that release's pgidem", current, latest)
+			}
+			target := current - 1
+			if toSet {
+				target = to
+			}
+			if !force {
+				if err := refuseDataLoss(ctx, db, target, current); err != nil {
+					return err
+				}
+			}
+			var results []*goose.MigrationResult
+			if toSet {
+				results, err = migrations.DownTo(ctx, db, opts, to)
+			} else {
+				results, err = migrations.Down(ctx, db, opts)
+			}
+			if err != nil {
+				a.printMigrations("rolled back", results)
+				return err
+			}
+			out := migrateResultJSON{Applied: []migrationJSON{}, RolledBack: resultsJSON(results)}
+			err = a.withProviderDB(ctx, db, func(p *goose.Provider) error {
+				out.Version, err = p.GetDBVersion(ctx)
+				return err
+			})
+			if err != nil {
+				return fmt.Errorf("pgidem: migrate down: read version: %w", err)
+			}
+			if a.json {
+				return printJSON(a.stdout, out)
+			}
+			a.printMigrations("rolled back", results)
+			if len(results) == 0 {
+				fmt.Fprintf(a.stdout, "nothing to roll back; pgidem schema is at version %d\n", out.Version)
+			} else {
+				fmt.Fprintf(a.stdout, "pgidem schema is now at version %d\n", out.Version)
+			}
+			return nil
 		}),
 	}
 	cmd.Flags().Int64Var(&to, "to", 0, "roll back every migration above this version (0: all)")
+	cmd.Flags().BoolVar(&force, "force", false, "roll back even when that drops tables holding records or inbox rows")
 	return cmd
+}
+
+// createTable finds the tables a migration's up part creates.
+var createTable = regexp.MustCompile(`(?i)\bCREATE\s+TABLE\s+(?:IF\s+NOT\s+EXISTS\s+)?([a-z_][a-z0-9_]*)`)
+
+// countLimit bounds how many rows refuseDataLoss counts in one table.
+const countLimit = 1_000_000
+
+// refuseDataLoss returns an error naming the tables, with their row counts, that rolling
+// back the migrations above target up to current would drop while they hold rows.
+func refuseDataLoss(ctx context.Context, db *sql.DB, target, current int64) error {
+	var losses []string
+	for v := current; v > max(target, 0); v-- {
+		name, err := migrationFile(v)
+		if err != nil {
+			return err
+		}
+		text, err := fs.ReadFile(migrations.FS(), name)
+		if err != nil {
+			return fmt.Errorf("pgidem: migrate down: read %s: %w", name, err)
+		}
+		for _, m := range createTable.FindAllStringSubmatch(string(text), -1) {
+			// The migration is applied, so its table exists (in the current schema, first
+			// on the search_path). Counting stops past countLimit rows.
+			var rows int64
+			err := db.QueryRowContext(ctx, fmt.Sprintf("SELECT count(*) FROM (SELECT FROM %s LIMIT %d) t",
+				pgx.Identifier{m[1]}.Sanitize(), countLimit+1)).Scan(&rows)
+			if err != nil {
+				return fmt.Errorf("pgidem: migrate down: count the rows of %s: %w", m[1], err)
+			}
+			switch {
+			case rows > countLimit:
+				losses = append(losses, fmt.Sprintf("%s (over %d rows)", m[1], countLimit))
+			case rows == 1:
+				losses = append(losses, fmt.Sprintf("%s (1 row)", m[1]))
+			case rows > 0:
+				losses = append(losses, fmt.Sprintf("%s (%d rows)", m[1], rows))
+			}
+		}
+	}
+	if len(losses) == 0 {
+		return nil
+	}
+	return fmt.Errorf("pgidem: migrate down: refused: it would drop %s; a dropped record lets its key run the effect again, "+
+		"a dropped inbox row lets its message be handled again; pass --force to roll back anyway", strings.Join(losses, " and "))
+}
+
+// migrationFile returns the name of pgidem's migration file with the given version.
+func migrationFile(version int64) (string, error) {
+	names, err := fs.Glob(migrations.FS(), fmt.Sprintf("%05d_*.sql", version))
+	if err != nil || len(names) != 1 {
+		return "", fmt.Errorf("pgidem: migrate down: no migration file for version %d", version)
+	}
+	return names[0], nil
 }
 
 // statusJSON is one row of migrate status --json.
@@ -301,7 +384,17 @@ in another time zone shows shifted by that zone's offset.`,
 				}
 				t.row(fmt.Sprint(r.Version), r.Source, r.State, applied)
 			}
-			return t.flush()
+			if err := t.flush(); err != nil {
+				return err
+			}
+			current, latest, err := a.versions(ctx, db)
+			if err != nil {
+				return err
+			}
+			if current > latest {
+				fmt.Fprintf(a.stdout, "the database is at version %d, %s\n", current, newerNote(latest))
+			}
+			return nil
 		}),
 	}
 }
@@ -313,29 +406,57 @@ func (a *app) migrateVersionCommand() *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
-			return a.withProvider(ctx, func(p *goose.Provider, installed bool) error {
-				var current, target int64
-				if sources := p.ListSources(); len(sources) > 0 {
-					target = sources[len(sources)-1].Version
-				}
-				if installed {
-					var err error
-					if current, target, err = p.GetVersions(ctx); err != nil {
-						return fmt.Errorf("pgidem: migrate version: %w", err)
-					}
-				}
-				if a.json {
-					return printJSON(a.stdout, map[string]int64{"version": current, "latest": target})
-				}
-				if current < target {
-					fmt.Fprintf(a.stdout, "%d (latest is %d; run pgidem migrate up)\n", current, target)
-				} else {
-					fmt.Fprintf(a.stdout, "%d\n", current)
-				}
-				return nil
-			})
+			db, err := a.connectDB(ctx)
+			if err != nil {
+				return err
+			}
+			defer db.Close()
+			current, latest, err := a.versions(ctx, db)
+			if err != nil {
+				return err
+			}
+			if a.json {
+				return printJSON(a.stdout, map[string]int64{"version": current, "latest": latest})
+			}
+			switch {
+			case current < latest:
+				fmt.Fprintf(a.stdout, "%d (latest is %d; run pgidem migrate up)\n", current, latest)
+			case current > latest:
+				fmt.Fprintf(a.stdout, "%d (%s)\n", current, newerNote(latest))
+			default:
+				fmt.Fprintf(a.stdout, "%d\n", current)
+			}
+			return nil
 		}),
 	}
+}
+
+// versions returns the version of pgidem's schema where the connection points (0 where
+// pgidem is not installed: nothing is created) and the latest migration this build has.
+func (a *app) versions(ctx context.Context, db *sql.DB) (current, latest int64, err error) {
+	opts := &migrations.Opts{Schema: a.schema}
+	installed, err := migrations.Installed(ctx, db, opts)
+	if err != nil {
+		return 0, 0, err
+	}
+	err = a.withProviderDB(ctx, db, func(p *goose.Provider) error {
+		if sources := p.ListSources(); len(sources) > 0 {
+			latest = sources[len(sources)-1].Version
+		}
+		if installed {
+			current, latest, err = p.GetVersions(ctx)
+		}
+		return err
+	})
+	if err != nil {
+		return 0, 0, fmt.Errorf("pgidem: read the migration version: %w", err)
+	}
+	return current, latest, nil
+}
+
+// newerNote explains a schema version above latest, the newest migration this build has.
+func newerNote(latest int64) string {
+	return fmt.Sprintf("newer than this pgidem's latest migration, %d: a newer release migrated the database", latest)
 }
 
 // printMigrations lists migration results in human form (nothing with --json).

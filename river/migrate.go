@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivermigrate"
@@ -19,9 +20,9 @@ const MigrateLockID int64 = 0x70676964656d7276
 
 // MigrateOpts are optional settings for [MigrateRiver]; nil means defaults.
 type MigrateOpts struct {
-	// Schema is the schema of River's tables (river.Config.Schema). Default "": the
-	// connection's search_path. Migrations of every schema share [MigrateLockID], so they
-	// run one at a time per database.
+	// Schema is the schema of River's tables (river.Config.Schema), created if missing.
+	// Default "": the connection's search_path. Migrations of every schema share
+	// [MigrateLockID], so they run one at a time per database.
 	Schema string
 	// TargetVersion migrates up to this River migration version. Default 0: the latest.
 	TargetVersion int
@@ -49,8 +50,9 @@ type MigrateOpts struct {
 // transaction). It returns the versions this call applied (none when River's schema is
 // current) and, on failure, an error prefixed "pgidemriver: MigrateRiver: " wrapping
 // rivermigrate's or the driver's (a context error when ctx ended; an error matching
-// [pgidem.ErrInvalidArgument] for a nil pool). Opts.Schema must exist: like River's
-// migrator, MigrateRiver does not create it. Safe for concurrent use:
+// [pgidem.ErrInvalidArgument] for a nil pool). A missing Opts.Schema is created first,
+// under the lock (River's own migrator would fail on it), as pgidem's migrations.Up does.
+// Safe for concurrent use:
 // concurrent calls, in one process or many, are the case the lock exists for.
 func MigrateRiver(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) (*rivermigrate.MigrateResult, error) {
 	if pool == nil {
@@ -81,6 +83,20 @@ func MigrateRiver(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) (*
 		return nil, fmt.Errorf("pgidemriver: MigrateRiver: take lock %d: %w", MigrateLockID, err)
 	}
 	defer lockConn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock($1)", MigrateLockID) //nolint:errcheck // the close releases it anyway
+
+	if opts.Schema != "" {
+		// Look first: CREATE SCHEMA checks the CREATE privilege on the database even when
+		// the schema exists. Under the lock, concurrent callers create it one at a time.
+		var exists bool
+		if err := lockConn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)", opts.Schema).Scan(&exists); err != nil {
+			return nil, fmt.Errorf("pgidemriver: MigrateRiver: look for schema %q: %w", opts.Schema, err)
+		}
+		if !exists {
+			if _, err := lockConn.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{opts.Schema}.Sanitize()); err != nil {
+				return nil, fmt.Errorf("pgidemriver: MigrateRiver: create schema %q: %w", opts.Schema, err)
+			}
+		}
+	}
 
 	res, err := migrator.Migrate(ctx, rivermigrate.DirectionUp, &rivermigrate.MigrateOpts{TargetVersion: opts.TargetVersion})
 	if err != nil {

@@ -121,3 +121,24 @@ func TestMigrateRiverNilPool(t *testing.T) {
 	_, err := pgidemriver.MigrateRiver(context.Background(), nil, nil)
 	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 }
+
+// A missing schema is created, once, by concurrent calls (River's migrator alone fails on
+// it, and pgidem's CLI applied its own migrations before failing).
+func TestMigrateRiverCreatesSchema(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const schema = "River Jobs"
+	done := make(chan error, 2)
+	for range 2 {
+		go func() {
+			_, err := pgidemriver.MigrateRiver(b.ctx, b.db.Pool, &pgidemriver.MigrateOpts{Schema: schema})
+			done <- err
+		}()
+	}
+	require.NoError(t, <-done)
+	require.NoError(t, <-done)
+	var exists bool
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT to_regclass($1) IS NOT NULL`,
+		pgx.Identifier{schema, "river_job"}.Sanitize()).Scan(&exists))
+	require.True(t, exists)
+}

@@ -83,7 +83,7 @@ func (a *app) migrateUpCommand() *cobra.Command {
 With --river it then applies River's pending migrations too (pgidemriver.MigrateRiver),
 holding the advisory lock pgidemriver.MigrateLockID: River's own migrator takes no lock, so
 two deploys migrating River at once would otherwise race. River's tables go to
---river-schema, by default the --schema of pgidem's (or the search_path).`,
+--river-schema (created if missing), by default the --schema of pgidem's (or the search_path).`,
 		Example: "  pgidem migrate up --database-url postgres://app@db:5432/app\n  pgidem migrate up --river",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {

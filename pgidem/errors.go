@@ -149,7 +149,7 @@ type InProgressError struct {
 
 // Error returns the message, prefixed "pgidem: ".
 func (e *InProgressError) Error() string {
-	return fmt.Sprintf("pgidem: idempotency key in progress: %s/%s (retry after %s)", e.Namespace, e.Key, e.RetryAfter)
+	return fmt.Sprintf("pgidem: idempotency key in progress: %s/%s (retry after %s)", e.Namespace, e.Key, e.RetryAfter.Round(time.Millisecond))
 }
 
 // Is reports whether target is [ErrInProgress].

@@ -343,6 +343,9 @@ func TestRecordsShow(t *testing.T) {
 	t.Run("WrongArgs", func(t *testing.T) {
 		line := requireFail(t, cli(t, db.URL, "records", "show", "invoices"), 2)
 		require.Contains(t, line, "takes 2 arguments (NAMESPACE KEY), got 1")
+		// An empty --namespace (an unset variable) would list every namespace.
+		line = requireFail(t, cli(t, db.URL, "records", "list", "--namespace", ""), 2)
+		require.Contains(t, line, "--namespace must not be empty")
 	})
 }
 
@@ -359,7 +362,10 @@ func TestRecordsForget(t *testing.T) {
 		require.Contains(t, line, "pass --force")
 		require.Equal(t, 5, countRecords(t, db.Pool, "pgidem_record"))
 
-		out := requireOK(t, cli(t, db.URL, "records", "forget", "invoices", "order-10.invoice", "--force"))
+		r := cli(t, db.URL, "records", "forget", "invoices", "order-10.invoice", "--force")
+		require.Zero(t, r.code, r.stderr)
+		require.Contains(t, r.stderr, "warning: the record was in progress under a live lease")
+		out := r.stdout
 		require.True(t, strings.HasPrefix(out, "deleted:\n"), out)
 		require.Contains(t, out, "key            order-10.invoice\n")
 		require.Contains(t, out, "status         in_progress\n")
@@ -995,4 +1001,25 @@ func TestMigrateManagedElsewhere(t *testing.T) {
 	var versionTable bool
 	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, migrations.VersionTable).Scan(&versionTable))
 	require.False(t, versionTable, "nothing created")
+}
+
+// pgidem installed in a schema the search_path does not reach: without --schema the
+// commands name that schema instead of only suggesting migrate up (which installed a
+// second copy without a word).
+func TestInstalledOffSearchPath(t *testing.T) {
+	t.Parallel()
+	db := testdb.NewUnmigrated(t)
+	const schema = "Idem Store"
+	requireOK(t, cli(t, db.URL, "--schema", schema, "migrate", "up"))
+
+	line := requireFail(t, cli(t, db.URL, "stats"), 1)
+	require.Contains(t, line, `pgidem is installed in schema "Idem Store" of this database: pass --schema`)
+	require.Equal(t, "0 (pgidem is not installed here but in schema \"Idem Store\" of this database: pass --schema)\n",
+		requireOK(t, cli(t, db.URL, "migrate", "version")))
+	r := cli(t, db.URL, "migrate", "up")
+	require.Zero(t, r.code, r.stderr)
+	require.Contains(t, r.stdout, "pgidem schema is now at version")
+	require.Contains(t, r.stderr, `installed pgidem anew here, although it is installed in schema "Idem Store"`)
+	// Now installed here too: no more notes (requireOK wants stderr empty).
+	requireOK(t, cli(t, db.URL, "migrate", "up"))
 }

@@ -100,9 +100,26 @@ two deploys migrating River at once would otherwise race. River's tables go to
 				return err
 			}
 			defer db.Close()
+			// Without --schema, a first install beside pgidem's tables in a schema the
+			// search_path does not reach is often a forgotten --schema: say so (it still
+			// installs; schema-per-tenant set-ups do this on purpose).
+			var elsewhere []string
+			if a.schema == "" {
+				current, _, err := a.versions(ctx, db)
+				if err != nil {
+					return err
+				}
+				if elsewhere, err = a.otherInstalls(ctx, current); err != nil {
+					return err
+				}
+			}
 			// migrations.Up, not the provider's: it creates --schema first, safely when
 			// deploys run at once.
 			results, err := migrations.Up(ctx, db, &migrations.Opts{Schema: a.schema})
+			if len(results) > 0 && len(elsewhere) > 0 {
+				fmt.Fprintf(a.stderr, "pgidem: note: installed pgidem anew here, although it is installed in %s of this database; "+
+					"if you meant that installation, roll this one back (pgidem migrate down --to 0) and pass --schema\n", schemaList(elsewhere))
+			}
 			out.Applied = resultsJSON(results)
 			a.printMigrations("applied", results)
 			if err != nil {
@@ -418,7 +435,13 @@ func (a *app) migrateVersionCommand() *cobra.Command {
 			if a.json {
 				return printJSON(a.stdout, map[string]int64{"version": current, "latest": latest})
 			}
+			elsewhere, err := a.otherInstalls(ctx, current)
+			if err != nil {
+				return err
+			}
 			switch {
+			case len(elsewhere) > 0:
+				fmt.Fprintf(a.stdout, "0 (pgidem is not installed here but in %s of this database: pass --schema)\n", schemaList(elsewhere))
 			case current < latest:
 				fmt.Fprintf(a.stdout, "%d (latest is %d; run pgidem migrate up)\n", current, latest)
 			case current > latest:
@@ -452,6 +475,24 @@ func (a *app) versions(ctx context.Context, db *sql.DB) (current, latest int64, 
 		return 0, 0, fmt.Errorf("pgidem: read the migration version: %w", err)
 	}
 	return current, latest, nil
+}
+
+// otherInstalls returns the schemas of the database other than the one the command points
+// at where pgidem is installed, when current (that one's version) is 0; else none.
+func (a *app) otherInstalls(ctx context.Context, current int64) ([]string, error) {
+	if current > 0 {
+		return nil, nil
+	}
+	pool, err := a.connectPool(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer pool.Close()
+	schemas, err := otherInstalls(ctx, pool, a.schema)
+	if err != nil {
+		return nil, fmt.Errorf("pgidem: look for pgidem in other schemas: %w", err)
+	}
+	return schemas, nil
 }
 
 // newerNote explains a schema version above latest, the newest migration this build has.

@@ -84,6 +84,10 @@ has no such note: it is an array of at most --limit records (--limit 0 for all).
 			if err := checkText("--namespace", p.namespace); err != nil {
 				return err
 			}
+			if cmd.Flags().Changed("namespace") && p.namespace == "" {
+				// An empty variable ("--namespace $NS") must not silently list everything.
+				return usagef("--namespace must not be empty (omit it to list every namespace)")
+			}
 			// The upper bounds keep the values within the int4 attempts column, and
 			// --limit + 1 (see store.list) within an int.
 			if p.minAttempts < 0 || p.minAttempts > math.MaxInt32 {
@@ -139,7 +143,7 @@ func (a *app) recordsShowCommand() *cobra.Command {
 	return &cobra.Command{
 		Use:     "show NAMESPACE KEY",
 		Short:   "Show one record in full",
-		Example: "  pgidem records show invoices order-9.invoice",
+		Example: "  pgidem records show invoices order-9.invoice\n  pgidem records show invoices -- -order-9   # a key starting with '-'",
 		Args:    keyArgs,
 		RunE: a.action(func(cmd *cobra.Command, args []string) error {
 			return a.withStore(cmd.Context(), func(s *store) error {
@@ -167,10 +171,11 @@ it deleted.
 
 A record in progress under a live lease (and not past its TTL) is refused: its holder
 may be running the effect right now, and deleting the record would let a second caller
-run it in parallel. Wait for the lease to expire, or pass --force if you know the holder
+run it in parallel. A live holder keeps renewing its lease, so the lease ends only once
+the holder is gone (or finishes); try again then, or pass --force if you know the holder
 is gone. The check and the delete are one SQL statement, so a holder renewing its lease
 at the same moment is never deleted without --force.`,
-		Example: "  pgidem records forget invoices order-9.invoice",
+		Example: "  pgidem records forget invoices order-9.invoice\n  pgidem records forget invoices -- -order-9   # a key starting with '-'",
 		Args:    keyArgs,
 		RunE: a.action(func(cmd *cobra.Command, args []string) error {
 			return a.withStore(cmd.Context(), func(s *store) error {
@@ -180,6 +185,9 @@ at the same moment is never deleted without --force.`,
 				}
 				if a.json {
 					return printJSON(a.stdout, map[string]any{"deleted": r})
+				}
+				if r.Status == "in_progress" && r.LeaseRemainingSeconds != nil && *r.LeaseRemainingSeconds > 0 {
+					fmt.Fprintln(a.stderr, "pgidem: warning: the record was in progress under a live lease; its holder may still be running the effect, and the next call with the key runs it again beside it")
 				}
 				fmt.Fprintln(a.stdout, "deleted:")
 				return printRecord(a.stdout, r)

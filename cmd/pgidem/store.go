@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgerrcode"
@@ -78,19 +80,52 @@ func (s *store) missingTable(ctx context.Context, op string, err error) error {
 	}
 	cc := s.pool.Config().ConnConfig
 	what := pgErr.Message
+	var elsewhere []string
 	if record, inbox, err := s.tablesExist(ctx); err == nil {
 		switch {
 		case !record:
 			what = "table " + recordTable + " not found"
+			elsewhere, _ = otherInstalls(ctx, s.pool, s.schema)
 		case !inbox:
 			what = "table " + inboxTable + " not found"
 		}
 	}
 	// An empty database name in the configuration means the server's default, the user
 	// name (libpq's rule); name it.
-	return fmt.Errorf("pgidem: %s: %s in %s of database %q (user %q on %s); if that is not the database you meant, "+
-		"pass --database-url (or --schema); if it is, run 'pgidem migrate up'",
+	msg := fmt.Sprintf("pgidem: %s: %s in %s of database %q (user %q on %s)",
 		op, what, where, cmp.Or(cc.Database, cc.User), cc.User, hostPort(cc.Host, cc.Port))
+	if len(elsewhere) > 0 {
+		return fmt.Errorf("%s; pgidem is installed in %s of this database: pass --schema to point at it", msg, schemaList(elsewhere))
+	}
+	return fmt.Errorf("%s; if that is not the database you meant, pass --database-url (or --schema); if it is, run 'pgidem migrate up'", msg)
+}
+
+// otherInstallsSQL lists the schemas other than $1 (or, for "", the current schema) that
+// hold pgidem's record table, whether or not they are on the search_path.
+const otherInstallsSQL = `
+SELECT coalesce(array_agg(n.nspname ORDER BY n.nspname), '{}')
+FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relname = 'pgidem_record' AND c.relkind IN ('r', 'p')
+	AND n.nspname IS DISTINCT FROM coalesce(nullif($1, ''), current_schema())`
+
+// otherInstalls returns the schemas, other than schema (or the current one), where pgidem
+// is installed.
+func otherInstalls(ctx context.Context, pool *pgxpool.Pool, schema string) ([]string, error) {
+	var schemas []string
+	err := pool.QueryRow(ctx, otherInstallsSQL, schema).Scan(&schemas)
+	return schemas, err
+}
+
+// schemaList names schemas for a message: schema "a", or schemas "a" and "b".
+func schemaList(schemas []string) string {
+	quoted := make([]string, len(schemas))
+	for i, s := range schemas {
+		quoted[i] = strconv.Quote(s)
+	}
+	if len(quoted) == 1 {
+		return "schema " + quoted[0]
+	}
+	return "schemas " + strings.Join(quoted[:len(quoted)-1], ", ") + " and " + quoted[len(quoted)-1]
 }
 
 // tablesExist reports whether the record table and the inbox table exist.
@@ -310,7 +345,7 @@ func (s *store) forget(ctx context.Context, namespace, key string, force bool) (
 		return r, nil
 	}
 	if r.live() {
-		return nil, fmt.Errorf("pgidem: refusing to forget namespace %q key %q: it is in progress under a live lease (%s, owner %s), so its holder may be running the effect right now; wait for the lease to expire or pass --force",
+		return nil, fmt.Errorf("pgidem: refusing to forget namespace %q key %q: it is in progress under a live lease (%s, owner %s), so its holder may be running the effect right now (a live holder keeps renewing its lease; the lease ends only once the holder is gone); try again after that, or pass --force if you know the holder is gone",
 			namespace, key, "expires "+remaining(*r.LeaseRemainingSeconds), r.Owner)
 	}
 	return nil, fmt.Errorf("pgidem: namespace %q key %q changed while it was being forgotten (its holder renewed or took over the lease); nothing deleted; run the command again", namespace, key)

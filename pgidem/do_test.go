@@ -673,8 +673,18 @@ func TestStoreUnavailable(t *testing.T) {
 		ran := false
 		_, err = pgidem.Do(ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { ran = true; return 1, nil })
 		require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+		require.ErrorIs(t, err, pgidem.ErrNotMigrated)
 		require.ErrorContains(t, err, "migrations")
 		require.False(t, ran)
+
+		// A schema that does not exist, and a sweep: the same.
+		coord, err = pgidem.NewCoordinator(db.Pool, &pgidem.Config{Schema: "nosuch"})
+		require.NoError(t, err)
+		_, err = pgidem.Do(ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { ran = true; return 1, nil })
+		require.ErrorIs(t, err, pgidem.ErrNotMigrated)
+		require.False(t, ran)
+		_, err = coord.Sweep(ctx, nil)
+		require.ErrorIs(t, err, pgidem.ErrNotMigrated)
 	})
 
 	t.Run("InvalidKeyNeverFailsOpen", func(t *testing.T) {

@@ -49,6 +49,14 @@ var (
 	// statement pgidem bounds itself ([Config.FinishTimeout]). See [*StoreError].
 	ErrStoreUnavailable = errors.New("pgidem: store unavailable")
 
+	// ErrNotMigrated is matched, besides [ErrStoreUnavailable], by a [*StoreError] whose
+	// cause is that pgidem's tables or columns do not exist where the coordinator looks
+	// (undefined table 42P01, undefined column 42703, no such schema 3F000): its
+	// migrations have not run on this database and schema ([Config.Schema]), or not all of
+	// them. A misconfiguration, not an outage: retrying does not help, and
+	// [Config.FailOpen] does not apply to it.
+	ErrNotMigrated = errors.New("pgidem: schema not migrated")
+
 	// ErrPermanent marks a failure stored in the record and replayed on later calls: both
 	// the error returned by [Permanent] and a replayed stored failure ([*StoredFailureError])
 	// match it.
@@ -172,8 +180,9 @@ func (e *FingerprintMismatchError) Error() string {
 // Is reports whether target is [ErrFingerprintMismatch].
 func (e *FingerprintMismatchError) Is(target error) bool { return target == ErrFingerprintMismatch }
 
-// StoreError wraps a database error. It matches [ErrStoreUnavailable] and unwraps to the
-// driver's error, so a *pgconn.PgError can be inspected with [errors.As].
+// StoreError wraps a database error. It matches [ErrStoreUnavailable] (and [ErrNotMigrated]
+// when pgidem's tables are missing) and unwraps to the driver's error, so a
+// *pgconn.PgError can be inspected with [errors.As].
 type StoreError struct {
 	// Op is the protocol step that failed: "reserve", "takeover", "complete", "release",
 	// "lookup", "sweep"; "heartbeat" for the renewal Do makes before fn starts when the
@@ -185,10 +194,17 @@ type StoreError struct {
 	Err error
 }
 
+// notMigrated reports whether the store error's cause is a missing table, column or
+// schema of pgidem's ([ErrNotMigrated]).
+func (e *StoreError) notMigrated() bool {
+	var pgErr *pgconn.PgError
+	return errors.As(e.Err, &pgErr) &&
+		(pgErr.Code == sqlstateUndefinedTable || pgErr.Code == sqlstateUndefinedColumn || pgErr.Code == sqlstateInvalidSchemaName)
+}
+
 // Error returns the message, prefixed "pgidem: ".
 func (e *StoreError) Error() string {
-	var pgErr *pgconn.PgError
-	if errors.As(e.Err, &pgErr) && (pgErr.Code == sqlstateUndefinedTable || pgErr.Code == sqlstateInvalidSchemaName) {
+	if e.notMigrated() {
 		return fmt.Sprintf("pgidem: store unavailable: %s: %v (have pgidem's migrations run on this database and schema? see package migrations or `pgidem migrate up`)", e.Op, e.Err)
 	}
 	return fmt.Sprintf("pgidem: store unavailable: %s: %v", e.Op, e.Err)
@@ -198,6 +214,7 @@ func (e *StoreError) Error() string {
 const (
 	sqlstateUndefinedTable    = "42P01"
 	sqlstateInvalidSchemaName = "3F000"
+	sqlstateUndefinedColumn   = "42703"
 	// sqlstateClassDataException is the class of errors for values the server refuses
 	// (22P02 invalid text representation, 22P05 untranslatable character, …).
 	sqlstateClassDataException = "22"
@@ -258,8 +275,14 @@ func isConnectError(err error) bool {
 	return errors.As(err, &connectErr) && !errors.As(err, &pgErr)
 }
 
-// Unwrap returns [ErrStoreUnavailable] and the underlying error.
-func (e *StoreError) Unwrap() []error { return []error{ErrStoreUnavailable, e.Err} }
+// Unwrap returns [ErrStoreUnavailable], [ErrNotMigrated] when that is the cause, and the
+// underlying error.
+func (e *StoreError) Unwrap() []error {
+	if e.notMigrated() {
+		return []error{ErrStoreUnavailable, ErrNotMigrated, e.Err}
+	}
+	return []error{ErrStoreUnavailable, e.Err}
+}
 
 // PermanentError marks fn's error as permanent: it is stored in the record and replayed to
 // every later call for the key until the record expires. Create it with [Permanent]. It

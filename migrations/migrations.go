@@ -199,6 +199,12 @@ func OpenDB(connString, schema string) (*sql.DB, error) {
 // schema on its first operation, Status and version queries included; [Status], [Down],
 // [Reset] and [Installed] do not where pgidem was never installed.
 func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, error) {
+	return newProvider(ctx, db, opts, true)
+}
+
+// newProvider is [NewProvider]; without locked, the provider takes no lock, for reports
+// that must not wait for a migration in progress (goose's Status and GetDBVersion take it).
+func newProvider(ctx context.Context, db *sql.DB, opts *Opts, locked bool) (*goose.Provider, error) {
 	if db == nil {
 		return nil, errors.New("pgidem: migrations: db is nil")
 	}
@@ -218,17 +224,19 @@ func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, 
 	if err := checkManagedHere(ctx, db); err != nil {
 		return nil, err
 	}
-	locker, err := lock.NewPostgresSessionLocker(
-		lock.WithLockID(LockID),
-		lock.WithLockTimeout(LockRetryPeriodSeconds, LockRetryAttempts),
-	)
-	if err != nil {
-		return nil, fmt.Errorf("pgidem: migrations: session locker: %w", err)
-	}
 	providerOpts := []goose.ProviderOption{
 		goose.WithTableName(VersionTable),
-		goose.WithSessionLocker(locker),
 		goose.WithDisableGlobalRegistry(true),
+	}
+	if locked {
+		locker, err := lock.NewPostgresSessionLocker(
+			lock.WithLockID(LockID),
+			lock.WithLockTimeout(LockRetryPeriodSeconds, LockRetryAttempts),
+		)
+		if err != nil {
+			return nil, fmt.Errorf("pgidem: migrations: session locker: %w", err)
+		}
+		providerOpts = append(providerOpts, goose.WithSessionLocker(locker))
 	}
 	if opts.Logger != nil {
 		providerOpts = append(providerOpts, goose.WithSlog(opts.Logger), goose.WithVerbose(true))
@@ -429,7 +437,7 @@ func Up(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, 
 // schema, where [Opts.Schema] (or the search_path) points: false means no pgidem migration
 // was ever applied there. It creates nothing, and returns the errors of [NewProvider].
 func Installed(ctx context.Context, db *sql.DB, opts *Opts) (bool, error) {
-	if _, err := NewProvider(ctx, db, opts); err != nil {
+	if _, err := newProvider(ctx, db, opts, false); err != nil {
 		return false, err
 	}
 	return installed(ctx, db)
@@ -517,7 +525,8 @@ func down(ctx context.Context, db *sql.DB, opts *Opts, step func(*goose.Provider
 // Status reports every pgidem migration and whether it has been applied. Where pgidem was
 // never installed ([Installed] is false) every migration is pending and nothing is
 // created (goose's own Status would create the version table). It returns the errors of
-// [NewProvider] (a missing Opts.Schema among them).
+// [NewProvider] (a missing Opts.Schema among them). It takes no lock: it reads the version
+// table as it is, without waiting for a migration in progress ([Up] in another process).
 //
 // AppliedAt comes from goose's version table, a timestamp without time zone written with
 // now() in the session time zone of the connection that applied the migration; it is read
@@ -526,7 +535,7 @@ func down(ctx context.Context, db *sql.DB, opts *Opts, step func(*goose.Provider
 // goose CLI, another tool, a *sql.DB opened by the caller, on a server whose TimeZone is
 // not UTC) shows shifted by that zone's offset.
 func Status(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationStatus, error) {
-	provider, err := NewProvider(ctx, db, opts)
+	provider, err := newProvider(ctx, db, opts, false)
 	if err != nil {
 		return nil, err
 	}

@@ -1023,3 +1023,35 @@ func TestInstalledOffSearchPath(t *testing.T) {
 	// Now installed here too: no more notes (requireOK wants stderr empty).
 	requireOK(t, cli(t, db.URL, "migrate", "up"))
 }
+
+// While another session holds pgidem's migration lock, migrate status answers at once
+// (it used to wait for the lock) and migrate up says whom it waits for (it waited without
+// a word), then applies once the lock is free.
+func TestMigrateLockHeld(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.NewUnmigrated(t)
+	holder, err := db.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer holder.Release()
+	var pid int
+	require.NoError(t, holder.QueryRow(ctx, `SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock($1)) l`, migrations.LockID).Scan(&pid))
+
+	require.Contains(t, requireOK(t, cli(t, db.URL, "migrate", "status")), "pending")
+	done := make(chan result, 1)
+	go func() { done <- cli(t, db.URL, "migrate", "up") }()
+	// goose's session locker polls with pg_try_advisory_lock; once it has tried, the note
+	// (printed before the migration starts) is out.
+	require.Eventually(t, func() bool {
+		var trying bool
+		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+			WHERE datname = current_database() AND application_name = 'pgidem-cli' AND query LIKE '%pg_try_advisory_lock%')`).Scan(&trying)
+		return err == nil && trying
+	}, time.Minute, 20*time.Millisecond)
+	_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, migrations.LockID)
+	require.NoError(t, err)
+	r := <-done
+	require.Zero(t, r.code, r.stderr)
+	require.Contains(t, r.stderr, "waiting for pgidem's migration lock, held by backend pid "+strconv.Itoa(pid))
+	require.Contains(t, r.stdout, "pgidem schema is now at version")
+}

@@ -113,6 +113,7 @@ two deploys migrating River at once would otherwise race. River's tables go to
 					return err
 				}
 			}
+			a.noteLockWait(ctx, db)
 			// migrations.Up, not the provider's: it creates --schema first, safely when
 			// deploys run at once.
 			results, err := migrations.Up(ctx, db, &migrations.Opts{Schema: a.schema})
@@ -126,7 +127,7 @@ two deploys migrating River at once would otherwise race. River's tables go to
 				return err
 			}
 			err = a.withProviderDB(ctx, db, func(p *goose.Provider) error {
-				version, err := p.GetDBVersion(ctx)
+				version, _, err := p.GetVersions(ctx) // no lock: a deploy may be migrating
 				if err != nil {
 					return fmt.Errorf("pgidem: migrate up: read version: %w", err)
 				}
@@ -261,6 +262,7 @@ refused, naming the tables and their row counts, unless --force is given.`,
 					return err
 				}
 			}
+			a.noteLockWait(ctx, db)
 			var results []*goose.MigrationResult
 			if toSet {
 				results, err = migrations.DownTo(ctx, db, opts, to)
@@ -273,7 +275,7 @@ refused, naming the tables and their row counts, unless --force is given.`,
 			}
 			out := migrateResultJSON{Applied: []migrationJSON{}, RolledBack: resultsJSON(results)}
 			err = a.withProviderDB(ctx, db, func(p *goose.Provider) error {
-				out.Version, err = p.GetDBVersion(ctx)
+				out.Version, _, err = p.GetVersions(ctx) // no lock: a deploy may be migrating
 				return err
 			})
 			if err != nil {
@@ -498,6 +500,26 @@ func (a *app) otherInstalls(ctx context.Context, current int64) ([]string, error
 // newerNote explains a schema version above latest, the newest migration this build has.
 func newerNote(latest int64) string {
 	return fmt.Sprintf("newer than this pgidem's latest migration, %d: a newer release migrated the database", latest)
+}
+
+// lockHolderSQL finds a session of this database holding pgidem's migration lock ($1, a
+// session-level advisory lock on a bigint key: classid the high 32 bits, objid the low).
+const lockHolderSQL = `
+SELECT pid FROM pg_catalog.pg_locks
+WHERE locktype = 'advisory' AND granted AND objsubid = 1
+	AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+	AND (classid::bigint << 32) | objid::bigint = $1
+LIMIT 1`
+
+// noteLockWait says on stderr when another session holds pgidem's migration lock, which
+// the migration about to run waits for (up to about five minutes) without a word.
+func (a *app) noteLockWait(ctx context.Context, db *sql.DB) {
+	var pid int
+	if err := db.QueryRowContext(ctx, lockHolderSQL, migrations.LockID).Scan(&pid); err != nil {
+		return // none holds it (or the check failed: the migration reports what matters)
+	}
+	fmt.Fprintf(a.stderr, "pgidem: waiting for pgidem's migration lock, held by backend pid %d (another migration run); "+
+		"giving up after about %d s\n", pid, migrations.LockRetryAttempts*migrations.LockRetryPeriodSeconds)
 }
 
 // printMigrations lists migration results in human form (nothing with --json).

@@ -137,8 +137,8 @@ func (a *app) rootCommand() *cobra.Command {
 	root := &cobra.Command{
 		Use:   "pgidem",
 		Short: "Inspect and maintain pgidem's idempotency records in Postgres",
-		Long: `pgidem runs pgidem's migrations, inspects and forgets idempotency records, sweeps
-expired rows and prints per-namespace statistics.
+		Long: `pgidem runs pgidem's migrations, inspects and forgets idempotency records and inbox
+rows, sweeps expired rows and prints per-namespace statistics.
 
 The database comes from --database-url, else DATABASE_URL, else libpq's PG* variables.
 Exit codes: 0 success, 1 failure, 2 usage error.`,
@@ -159,6 +159,6 @@ Exit codes: 0 success, 1 failure, 2 usage error.`,
 		"schema holding pgidem's tables (default: the connection's search_path)")
 	flags.BoolVar(&a.json, "json", false, "print JSON instead of tables")
 
-	root.AddCommand(a.migrateCommand(), a.recordsCommand(), a.sweepCommand(), a.statsCommand())
+	root.AddCommand(a.migrateCommand(), a.recordsCommand(), a.inboxCommand(), a.sweepCommand(), a.statsCommand())
 	return root
 }

@@ -1,5 +1,6 @@
 // Command pgidem is the operator's tool for pgidem: it runs pgidem's migrations, inspects and
-// forgets idempotency records, sweeps expired rows and prints per-namespace statistics.
+// forgets idempotency records and inbox rows, sweeps expired rows and prints per-namespace
+// statistics.
 //
 // Install it from a clone of the repository with
 //
@@ -14,6 +15,7 @@
 //	pgidem records list                     records, filtered by namespace, status, attempts, expiry
 //	pgidem records show NAMESPACE KEY       one record in full
 //	pgidem records forget NAMESPACE KEY     delete a record so its effect can run again
+//	pgidem inbox list|show|forget           inbox rows: the messages a consumer handled
 //	pgidem sweep                            delete expired records and inbox rows (cron, without River)
 //	pgidem stats                            per-namespace counts, stuck and taken-over records, size
 //

@@ -151,10 +151,7 @@ func (a *app) recordsShowCommand() *cobra.Command {
 				if err != nil {
 					return err
 				}
-				if a.json {
-					return printJSON(a.stdout, r)
-				}
-				return printRecord(a.stdout, r)
+				return a.printFound(r, false, func(w io.Writer) error { return printRecord(w, r) })
 			})
 		}),
 	}
@@ -183,19 +180,30 @@ at the same moment is never deleted without --force.`,
 				if err != nil {
 					return err
 				}
-				if a.json {
-					return printJSON(a.stdout, map[string]any{"deleted": r})
-				}
 				if r.Status == "in_progress" && r.LeaseRemainingSeconds != nil && *r.LeaseRemainingSeconds > 0 {
 					fmt.Fprintln(a.stderr, "pgidem: warning: the record was in progress under a live lease; its holder may still be running the effect, and the next call with the key runs it again beside it")
 				}
-				fmt.Fprintln(a.stdout, "deleted:")
-				return printRecord(a.stdout, r)
+				return a.printFound(r, true, func(w io.Writer) error { return printRecord(w, r) })
 			})
 		}),
 	}
 	cmd.Flags().BoolVar(&force, "force", false, "delete even a record in progress under a live lease")
 	return cmd
+}
+
+// printFound prints one row that a command found, or deleted (then under "deleted:", or
+// as {"deleted": row} in JSON), as JSON or as text by print.
+func (a *app) printFound(row any, deleted bool, print func(io.Writer) error) error {
+	if a.json {
+		if deleted {
+			return printJSON(a.stdout, map[string]any{"deleted": row})
+		}
+		return printJSON(a.stdout, row)
+	}
+	if deleted {
+		fmt.Fprintln(a.stdout, "deleted:")
+	}
+	return print(a.stdout)
 }
 
 // printRecord prints one record as aligned "field  value" lines.

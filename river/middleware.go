@@ -461,7 +461,10 @@ func (m *Middleware) Register(args ...river.JobArgs) {
 					slog.Duration("min_ttl", cc.MinTTL), slog.Duration("lease", cc.Lease))
 			}
 		}
-		if _, named := implementation[NamespaceArgs](a); !named && !m.exclude[info.kind] {
+		// The kind is the namespace unless the args name one, or (args without a key
+		// method) Config.KeyFunc may return one.
+		_, named := implementation[NamespaceArgs](a)
+		if !named && !m.exclude[info.kind] && (info.keyed || m.config.KeyFunc == nil) {
 			if limit := m.coord.Config().MaxNamespaceBytes; len(info.kind) > limit {
 				m.config.Logger.Error("pgidemriver: job kind is longer than a pgidem namespace may be; every job of the kind will fail before its worker runs "+
 					"(implement NamespaceArgs, or exclude the kind)",

@@ -2,10 +2,13 @@ package pgidemriver
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivermigrate"
@@ -30,6 +33,9 @@ type MigrateOpts struct {
 	Logger *slog.Logger
 }
 
+// schemaMaxBytes is Postgres's identifier limit (NAMEDATALEN - 1).
+const schemaMaxBytes = 63
+
 // MigrateRiver applies River's pending migrations (rivermigrate, the "main" line) through
 // pool, holding the session advisory lock [MigrateLockID] on a connection of its own for
 // the whole run, so concurrent callers — several deploys or replicas starting at once —
@@ -50,7 +56,8 @@ type MigrateOpts struct {
 // transaction). It returns the versions this call applied (none when River's schema is
 // current) and, on failure, an error prefixed "pgidemriver: MigrateRiver: " wrapping
 // rivermigrate's or the driver's (a context error when ctx ended; an error matching
-// [pgidem.ErrInvalidArgument] for a nil pool). A missing Opts.Schema is created first,
+// [pgidem.ErrInvalidArgument] for a nil pool, or an Opts.Schema over 63 bytes or only
+// white space). A missing Opts.Schema is created first,
 // under the lock (River's own migrator would fail on it), as pgidem's migrations.Up does.
 // Safe for concurrent use:
 // concurrent calls, in one process or many, are the case the lock exists for.
@@ -60,6 +67,10 @@ func MigrateRiver(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) (*
 	}
 	if opts == nil {
 		opts = &MigrateOpts{}
+	}
+	if len(opts.Schema) > schemaMaxBytes || (opts.Schema != "" && strings.TrimSpace(opts.Schema) == "") {
+		// Postgres would truncate a longer name, so the schema would never be found again.
+		return nil, invalid("MigrateRiver: Opts.Schema %q must be at most %d bytes and not only white space", opts.Schema, schemaMaxBytes)
 	}
 	logger := opts.Logger
 	if logger == nil {
@@ -92,7 +103,14 @@ func MigrateRiver(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) (*
 			return nil, fmt.Errorf("pgidemriver: MigrateRiver: look for schema %q: %w", opts.Schema, err)
 		}
 		if !exists {
-			if _, err := lockConn.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{opts.Schema}.Sanitize()); err != nil {
+			// Another tool (pgidem's migrations.Up, under a lock of its own) may be creating
+			// it at this moment: IF NOT EXISTS then fails with a unique violation.
+			_, err := lockConn.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{opts.Schema}.Sanitize())
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "23505" {
+				err = nil
+			}
+			if err != nil {
 				return nil, fmt.Errorf("pgidemriver: MigrateRiver: create schema %q: %w", opts.Schema, err)
 			}
 		}

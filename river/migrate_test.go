@@ -2,6 +2,7 @@ package pgidemriver_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -120,6 +121,13 @@ func TestMigrateRiverNilPool(t *testing.T) {
 	t.Parallel()
 	_, err := pgidemriver.MigrateRiver(context.Background(), nil, nil)
 	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	// A schema Postgres would truncate (so it would never be found again), or only white
+	// space: refused before anything is created.
+	b := setup(t)
+	for _, schema := range []string{strings.Repeat("s", 64), "   "} {
+		_, err = pgidemriver.MigrateRiver(b.ctx, b.db.Pool, &pgidemriver.MigrateOpts{Schema: schema})
+		require.ErrorIs(t, err, pgidem.ErrInvalidArgument, "%q", schema)
+	}
 }
 
 // A missing schema is created, once, by concurrent calls (River's migrator alone fails on
@@ -141,4 +149,33 @@ func TestMigrateRiverCreatesSchema(t *testing.T) {
 	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT to_regclass($1) IS NOT NULL`,
 		pgx.Identifier{schema, "river_job"}.Sanitize()).Scan(&exists))
 	require.True(t, exists)
+}
+
+// Another session creating the same schema at the same moment (pgidem's migrations.Up
+// creates schemas under a lock of its own): MigrateRiver's CREATE SCHEMA IF NOT EXISTS
+// waits for it and then fails with a unique violation, which it takes as "exists". It
+// used to fail.
+func TestMigrateRiverSchemaCreatedMeanwhile(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const schema = "created meanwhile"
+	other, err := b.db.Pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer other.Rollback(b.ctx) //nolint:errcheck // committed below
+	_, err = other.Exec(b.ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize())
+	require.NoError(t, err)
+
+	done := make(chan error, 1)
+	go func() {
+		_, err := pgidemriver.MigrateRiver(b.ctx, b.db.Pool, &pgidemriver.MigrateOpts{Schema: schema})
+		done <- err
+	}()
+	require.Eventually(t, func() bool { // MigrateRiver waits for the other transaction
+		var waiting bool
+		err := b.db.Pool.QueryRow(b.ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE NOT l.granted AND l.locktype = 'transactionid' AND a.datname = current_database())`).Scan(&waiting)
+		return err == nil && waiting
+	}, waitCap, pollInterval)
+	require.NoError(t, other.Commit(b.ctx))
+	require.NoError(t, <-done)
 }

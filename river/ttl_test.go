@@ -3,6 +3,7 @@ package pgidemriver_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"log/slog"
 	"math"
 	"testing"
@@ -145,7 +146,7 @@ func TestRetryHorizonHugeMaxAttempts(t *testing.T) {
 // offlineMiddleware returns a middleware whose coordinator's pool never connects (creating
 // a coordinator, a middleware or a client, registering and CheckTTL do not touch the
 // database), logging to the returned buffer.
-func offlineMiddleware(t *testing.T) (*pgidemriver.Middleware, *bytes.Buffer, *pgxpool.Pool) {
+func offlineMiddleware(t *testing.T, configure ...func(*pgidemriver.Config)) (*pgidemriver.Middleware, *bytes.Buffer, *pgxpool.Pool) {
 	t.Helper()
 	pool, err := pgxpool.New(context.Background(), "postgres://127.0.0.1:1/none")
 	require.NoError(t, err)
@@ -153,7 +154,11 @@ func offlineMiddleware(t *testing.T) (*pgidemriver.Middleware, *bytes.Buffer, *p
 	coord, err := pgidem.NewCoordinator(pool, nil)
 	require.NoError(t, err)
 	var logs bytes.Buffer
-	mw, err := pgidemriver.NewMiddleware(coord, &pgidemriver.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	cfg := &pgidemriver.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+	for _, f := range configure {
+		f(cfg)
+	}
+	mw, err := pgidemriver.NewMiddleware(coord, cfg)
 	require.NoError(t, err)
 	return mw, &logs, pool
 }
@@ -208,4 +213,21 @@ func TestRegisterKindTooLongForNamespace(t *testing.T) {
 	mw.Register(LongKindArgs{})
 	require.Contains(t, logs.String(), "level=ERROR")
 	require.Contains(t, logs.String(), "job_kind="+longKind)
+}
+
+type LongKindUnkeyedArgs struct{}
+
+func (LongKindUnkeyedArgs) Kind() string { return longKind + ".unkeyed" }
+
+// Args without a key method take their namespace from Config.KeyFunc when it is set, so a
+// long kind is no error there.
+func TestRegisterLongKindWithKeyFunc(t *testing.T) {
+	t.Parallel()
+	mw, logs, _ := offlineMiddleware(t, func(cfg *pgidemriver.Config) {
+		cfg.KeyFunc = func(job *rivertype.JobRow) (string, string, bool) { return "statements", fmt.Sprint(job.ID), true }
+	})
+	mw.Register(LongKindUnkeyedArgs{})
+	require.Empty(t, logs.String())
+	mw.Register(LongKindArgs{}) // keyed: the kind is its namespace whatever KeyFunc says
+	require.Contains(t, logs.String(), "level=ERROR")
 }

@@ -36,6 +36,7 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"regexp"
 	"strings"
 	"unicode"
 	"unicode/utf8"
@@ -78,6 +79,11 @@ const (
 // tool.
 var ErrManagedElsewhere = errors.New("pgidem: migrations: pgidem's tables are managed by another migration tool")
 
+// ErrDataLoss is returned (wrapped, naming the tables and their row counts) by [Down],
+// [DownTo] and [Reset] with [Opts.RefuseDataLoss] when a migration they would roll back
+// drops a table that holds rows. Nothing is rolled back.
+var ErrDataLoss = errors.New("pgidem: migrations: refused: the rollback would drop rows")
+
 // FS returns the migration files: goose SQL files named NNNNN_description.sql at the root
 // of the returned file system. It is read only and safe for concurrent use.
 func FS() fs.FS {
@@ -109,6 +115,15 @@ type Opts struct {
 
 	// Logger receives goose's progress messages. Default: nil, which discards them.
 	Logger *slog.Logger
+
+	// RefuseDataLoss makes [Down], [DownTo] and [Reset] refuse, rolling back nothing, when
+	// a migration they would roll back drops a table that holds rows (pgidem_record:
+	// every completed key would run its effect again; pgidem_inbox: every recorded message
+	// would be handled again): the error matches [ErrDataLoss]. The check and the rollback
+	// run under [LockID], on exactly the migrations checked. Rows are counted up to a
+	// million per table. Default false: they roll back as asked. `pgidem migrate down`
+	// sets it unless --force.
+	RefuseDataLoss bool
 }
 
 // SchemaMaxLen is the longest schema name, in bytes, that [Opts.Schema] and [OpenDB]
@@ -460,21 +475,13 @@ func installed(ctx context.Context, db *sql.DB) (bool, error) {
 // Where pgidem was never installed ([Installed] is false) it does nothing and creates
 // nothing. It holds [LockID] like [Up], and returns the errors of [NewProvider] (a missing
 // Opts.Schema among them). A rollback removes what the migration created, rows included:
-// rolling back the first migration deletes every record. [Reset] rolls back all of them,
-// [DownTo] those above a version. A database at a version newer than this build's latest
-// migration (a newer release migrated it, and a deploy was rolled back) returns an error
-// and rolls back nothing: this build does not have that migration's down part.
+// rolling back the first migration deletes every record, unless [Opts.RefuseDataLoss].
+// [Reset] rolls back all of them, [DownTo] those above a version. A database at a version
+// newer than this build's latest migration (a newer release migrated it, and a deploy was
+// rolled back) returns an error and rolls back nothing: this build does not have that
+// migration's down part.
 func Down(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, error) {
-	return down(ctx, db, opts, func(p *goose.Provider) ([]*goose.MigrationResult, error) {
-		res, err := p.Down(ctx)
-		if errors.Is(err, goose.ErrNoNextVersion) {
-			return nil, nil // nothing applied: nothing to roll back
-		}
-		if res == nil {
-			return nil, err
-		}
-		return []*goose.MigrationResult{res}, err
-	})
+	return down(ctx, db, opts, 0, true)
 }
 
 // Reset rolls back every applied pgidem migration, removing all of pgidem's tables
@@ -485,41 +492,170 @@ func Reset(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResul
 	return DownTo(ctx, db, opts, 0)
 }
 
-// DownTo rolls back every applied pgidem migration above version, newest first, like
-// goose's down-to and `pgidem migrate down --to VERSION`, and returns them (none when the
+// DownTo rolls back the applied pgidem migrations above version, most recently applied
+// first, like goose's down-to and `pgidem migrate down --to VERSION` (like goose, it stops
+// at the first applied migration at or below version), and returns them (none when the
 // database is at version or below). A rollback removes what the migration created, rows
-// included. Where pgidem was never installed ([Installed] is false) it does nothing and
-// creates nothing. It holds [LockID] like [Up], returns the errors of [NewProvider] (a
-// missing Opts.Schema among them) and, like [Down], refuses a database at a version newer
-// than this build's latest migration. A negative version returns an error.
+// included, unless [Opts.RefuseDataLoss]. Where pgidem was never installed ([Installed]
+// is false) it does nothing and creates nothing. It holds [LockID] like [Up], returns the
+// errors of [NewProvider] (a missing Opts.Schema among them) and, like [Down], refuses a
+// database at a version newer than this build's latest migration. A negative version
+// returns an error.
 func DownTo(ctx context.Context, db *sql.DB, opts *Opts, version int64) ([]*goose.MigrationResult, error) {
 	if version < 0 {
 		return nil, fmt.Errorf("pgidem: migrations: down: version %d is negative", version)
 	}
-	return down(ctx, db, opts, func(p *goose.Provider) ([]*goose.MigrationResult, error) { return p.DownTo(ctx, version) })
+	return down(ctx, db, opts, version, false)
 }
 
-// down runs a rollback step on pgidem's provider where pgidem is installed.
-func down(ctx context.Context, db *sql.DB, opts *Opts, step func(*goose.Provider) ([]*goose.MigrationResult, error)) ([]*goose.MigrationResult, error) {
-	provider, err := NewProvider(ctx, db, opts)
+// down rolls back, under [LockID], the applied migrations above target in the order goose
+// would (most recently applied first, stopping at the first at or below target; only that
+// first one when byOne). It plans and checks ([Opts.RefuseDataLoss]) under the lock and
+// then rolls back exactly the planned migrations, one by one, so a concurrent rollback
+// cannot make it roll back one it did not check.
+func down(ctx context.Context, db *sql.DB, opts *Opts, target int64, byOne bool) (_ []*goose.MigrationResult, err error) {
+	if opts == nil {
+		opts = &Opts{}
+	}
+	// The provider takes no lock of its own: this function holds LockID throughout.
+	provider, err := newProvider(ctx, db, opts, false)
 	if err != nil {
 		return nil, err
 	}
 	if ok, err := installed(ctx, db); err != nil || !ok {
 		return nil, err
 	}
-	if current, latest, err := provider.GetVersions(ctx); err != nil {
-		return nil, fmt.Errorf("pgidem: migrations: down: read version: %w", err)
-	} else if current > latest {
-		return nil, fmt.Errorf("pgidem: migrations: down: the database is at pgidem schema version %d, newer than "+
-			"the latest migration this build has (%d): it was migrated by a newer pgidem release; roll back with that release",
-			current, latest)
-	}
-	results, err := step(provider)
+	conn, err := db.Conn(ctx)
 	if err != nil {
-		return results, fmt.Errorf("pgidem: migrations: down: %w", err)
+		return nil, fmt.Errorf("pgidem: migrations: down: %w", err)
+	}
+	defer conn.Close()
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(LockID), lock.WithLockTimeout(LockRetryPeriodSeconds, LockRetryAttempts))
+	if err != nil {
+		return nil, fmt.Errorf("pgidem: migrations: session locker: %w", err)
+	}
+	if err := locker.SessionLock(ctx, conn); err != nil {
+		return nil, fmt.Errorf("pgidem: migrations: down: take lock %d: %w", LockID, err)
+	}
+	defer func() {
+		if uerr := locker.SessionUnlock(context.WithoutCancel(ctx), conn); uerr != nil && err == nil {
+			err = fmt.Errorf("pgidem: migrations: down: release lock %d: %w", LockID, uerr)
+		}
+	}()
+
+	plan, err := downPlan(ctx, conn, provider, target, byOne)
+	if err != nil {
+		return nil, err
+	}
+	if opts.RefuseDataLoss {
+		if err := refuseDataLoss(ctx, conn, plan); err != nil {
+			return nil, err
+		}
+	}
+	var results []*goose.MigrationResult
+	for _, version := range plan {
+		res, err := provider.ApplyVersion(ctx, version, false)
+		if res != nil {
+			results = append(results, res)
+		}
+		if err != nil {
+			return results, fmt.Errorf("pgidem: migrations: down: %w", err)
+		}
 	}
 	return results, nil
+}
+
+// downPlan lists the migrations to roll back, as goose's down and down-to choose them from
+// the version table (newest row first). It refuses a database at a version this build
+// does not have.
+func downPlan(ctx context.Context, conn *sql.Conn, provider *goose.Provider, target int64, byOne bool) ([]int64, error) {
+	rows, err := conn.QueryContext(ctx, "SELECT version_id FROM "+pgx.Identifier{VersionTable}.Sanitize()+" ORDER BY id DESC")
+	if err != nil {
+		return nil, fmt.Errorf("pgidem: migrations: down: read %s: %w", VersionTable, err)
+	}
+	defer rows.Close()
+	sources := provider.ListSources()
+	latest := sources[len(sources)-1].Version
+	var plan []int64
+	for rows.Next() {
+		var version int64
+		if err := rows.Scan(&version); err != nil {
+			return nil, fmt.Errorf("pgidem: migrations: down: read %s: %w", VersionTable, err)
+		}
+		if version > latest {
+			return nil, fmt.Errorf("pgidem: migrations: down: the database is at pgidem schema version %d, newer than "+
+				"the latest migration this build has (%d): it was migrated by a newer pgidem release; roll back with that release",
+				version, latest)
+		}
+		if version <= target || version == 0 {
+			break
+		}
+		plan = append(plan, version)
+		if byOne {
+			break
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("pgidem: migrations: down: read %s: %w", VersionTable, err)
+	}
+	return plan, nil
+}
+
+// createTable finds the tables a migration's up part creates (pgidem's migrations name
+// them unqualified).
+var createTable = regexp.MustCompile(`(?i)\bCREATE\s+(?:UNLOGGED\s+)?TABLE\s+(?:IF\s+NOT\s+EXISTS\s+)?([a-z_][a-z0-9_]*)`)
+
+// dataLossCountLimit bounds how many rows refuseDataLoss counts in one table.
+const dataLossCountLimit = 1_000_000
+
+// refuseDataLoss returns an error matching [ErrDataLoss] when rolling back the planned
+// migrations would drop a table of the current schema that holds rows.
+func refuseDataLoss(ctx context.Context, conn *sql.Conn, plan []int64) error {
+	var current string
+	if err := conn.QueryRowContext(ctx, "SELECT current_schema()").Scan(&current); err != nil {
+		return fmt.Errorf("pgidem: migrations: down: read current schema: %w", err)
+	}
+	var losses []string
+	for _, version := range plan {
+		names, err := fs.Glob(FS(), fmt.Sprintf("%05d_*.sql", version))
+		if err != nil || len(names) != 1 {
+			return fmt.Errorf("pgidem: migrations: down: no migration file for version %d", version)
+		}
+		text, err := fs.ReadFile(FS(), names[0])
+		if err != nil {
+			return fmt.Errorf("pgidem: migrations: down: read %s: %w", names[0], err)
+		}
+		up, _, _ := strings.Cut(string(text), "-- +goose Down")
+		for _, m := range createTable.FindAllStringSubmatch(up, -1) {
+			// A version table with gaps may list a migration whose table is gone.
+			table := pgx.Identifier{current, m[1]}.Sanitize()
+			var exists bool
+			if err := conn.QueryRowContext(ctx, "SELECT to_regclass($1) IS NOT NULL", table).Scan(&exists); err != nil {
+				return fmt.Errorf("pgidem: migrations: down: look for %s: %w", table, err)
+			}
+			if !exists {
+				continue
+			}
+			var rows int64
+			err := conn.QueryRowContext(ctx, fmt.Sprintf("SELECT count(*) FROM (SELECT FROM %s LIMIT %d) t", table, dataLossCountLimit+1)).Scan(&rows)
+			if err != nil {
+				return fmt.Errorf("pgidem: migrations: down: count the rows of %s: %w", table, err)
+			}
+			switch {
+			case rows > dataLossCountLimit:
+				losses = append(losses, fmt.Sprintf("%s (over %d rows)", m[1], dataLossCountLimit))
+			case rows == 1:
+				losses = append(losses, fmt.Sprintf("%s (1 row)", m[1]))
+			case rows > 0:
+				losses = append(losses, fmt.Sprintf("%s (%d rows)", m[1], rows))
+			}
+		}
+	}
+	if len(losses) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: rolling back would drop %s; a dropped record lets its key run the effect again, "+
+		"a dropped inbox row lets its message be handled again", ErrDataLoss, strings.Join(losses, " and "))
 }
 
 // Status reports every pgidem migration and whether it has been applied. Where pgidem was

@@ -432,3 +432,96 @@ func TestManagedByAnotherTool(t *testing.T) {
 	require.NoError(t, err)
 	check()
 }
+
+// With RefuseDataLoss, the check covers exactly the migrations that are rolled back, in
+// goose's order (the most recently applied first), and the check and the rollback hold
+// the lock together. The pgidem command's check used to count down from the highest
+// version before taking the lock, so an out-of-order history or a second rollback racing
+// it dropped pgidem_inbox with its rows.
+func TestRefuseDataLoss(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	guarded := &migrations.Opts{RefuseDataLoss: true}
+	addInboxRow := func(t *testing.T, db *sql.DB) {
+		t.Helper()
+		_, err := db.ExecContext(ctx, `INSERT INTO pgidem_inbox (consumer, message_id, expires_at) VALUES ('c', 'm', now() + interval '1 day')`)
+		require.NoError(t, err)
+	}
+
+	t.Run("OutOfOrder", func(t *testing.T) {
+		t.Parallel()
+		db := open(t, testdb.NewUnmigrated(t).URL, "")
+		_, err := migrations.Up(ctx, db, nil)
+		require.NoError(t, err)
+		p, err := migrations.NewProvider(ctx, db, nil)
+		require.NoError(t, err)
+		_, err = p.ApplyVersion(ctx, 2, false) // applied order now 1, 3, 2
+		require.NoError(t, err)
+		_, err = p.ApplyVersion(ctx, 2, true)
+		require.NoError(t, err)
+		addInboxRow(t, db)
+
+		results, err := migrations.Down(ctx, db, guarded)
+		require.ErrorIs(t, err, migrations.ErrDataLoss)
+		require.ErrorContains(t, err, "pgidem_inbox (1 row)")
+		require.Empty(t, results)
+		require.True(t, tableExists(t, db, "public", "pgidem_inbox"))
+	})
+
+	t.Run("ConcurrentRollbacks", func(t *testing.T) {
+		t.Parallel()
+		tdb := testdb.NewUnmigrated(t)
+		db := open(t, tdb.URL, "")
+		_, err := migrations.Up(ctx, db, nil)
+		require.NoError(t, err)
+		addInboxRow(t, db)
+		// Both rollbacks wait for the lock, then run one after the other: the first rolls
+		// back the view (no rows), the second would drop the inbox and must refuse.
+		holder, err := db.Conn(ctx)
+		require.NoError(t, err)
+		defer holder.Close()
+		_, err = holder.ExecContext(ctx, "SELECT pg_advisory_lock($1)", migrations.LockID)
+		require.NoError(t, err)
+		errs := make(chan error, 2)
+		for range 2 {
+			go func() {
+				_, err := migrations.Down(ctx, open(t, tdb.URL, ""), guarded)
+				errs <- err
+			}()
+		}
+		require.Eventually(t, func() bool { // both are polling for the lock
+			var n int
+			err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_stat_activity
+				WHERE datname = current_database() AND query LIKE '%pg_try_advisory_lock%' AND pid <> pg_backend_pid()`).Scan(&n)
+			return err == nil && n >= 2
+		}, time.Minute, 20*time.Millisecond)
+		_, err = holder.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", migrations.LockID)
+		require.NoError(t, err)
+		first, second := <-errs, <-errs
+		if first != nil {
+			first, second = second, first
+		}
+		require.NoError(t, first)
+		require.ErrorIs(t, second, migrations.ErrDataLoss)
+		require.True(t, tableExists(t, db, "public", "pgidem_inbox"), "the inbox and its row survive")
+		require.False(t, tableExists(t, db, "public", "pgidem_record_overview"))
+	})
+
+	t.Run("Gaps", func(t *testing.T) {
+		t.Parallel()
+		// Versions 1 and 3 recorded, the inbox table gone: the check skips the missing
+		// table instead of failing on it, and still guards the records.
+		db := open(t, testdb.NewUnmigrated(t).URL, "")
+		_, err := migrations.Up(ctx, db, nil)
+		require.NoError(t, err)
+		_, err = db.ExecContext(ctx, `DROP TABLE pgidem_inbox; DELETE FROM `+migrations.VersionTable+` WHERE version_id = 2;
+			INSERT INTO pgidem_record (namespace, key, status, owner, expires_at) VALUES ('n', 'k', 'completed', gen_random_uuid(), now() + interval '1 day')`)
+		require.NoError(t, err)
+		_, err = migrations.Reset(ctx, db, guarded)
+		require.ErrorIs(t, err, migrations.ErrDataLoss)
+		require.ErrorContains(t, err, "would drop pgidem_record (1 row)")
+		_, err = migrations.Reset(ctx, db, nil)
+		require.NoError(t, err)
+		require.False(t, tableExists(t, db, "public", "pgidem_record"))
+	})
+}

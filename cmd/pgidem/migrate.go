@@ -4,13 +4,10 @@ import (
 	"cmp"
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
-	"io/fs"
-	"regexp"
-	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/pressly/goose/v3"
 	"github.com/spf13/cobra"
 
@@ -226,7 +223,7 @@ refused, naming the tables and their row counts, unless --force is given.`,
 				return err
 			}
 			defer db.Close()
-			opts := &migrations.Opts{Schema: a.schema}
+			opts := &migrations.Opts{Schema: a.schema, RefuseDataLoss: !force}
 			installed, err := migrations.Installed(ctx, db, opts)
 			if err != nil {
 				return err
@@ -238,36 +235,15 @@ refused, naming the tables and their row counts, unless --force is given.`,
 				fmt.Fprintln(a.stdout, "nothing to roll back; pgidem is not installed here")
 				return nil
 			}
-			var current, latest int64
-			err = a.withProviderDB(ctx, db, func(p *goose.Provider) error {
-				current, latest, err = p.GetVersions(ctx)
-				return err
-			})
-			if err != nil {
-				return fmt.Errorf("pgidem: migrate down: read version: %w", err)
-			}
-			if toSet && to > current {
-				return usagef("--to %d is above the current version %d: nothing to roll back", to, current)
-			}
-			if current > latest {
-				return fmt.Errorf("pgidem: migrate down: the database is at version %d, newer than this pgidem's latest migration (%d): "+
-					"a newer release migrated it; roll back with that release's pgidem", current, latest)
-			}
-			target := current - 1
-			if toSet {
-				target = to
-			}
-			if !force {
-				if err := refuseDataLoss(ctx, db, target, current); err != nil {
-					return err
-				}
-			}
 			a.noteLockWait(ctx, db)
 			var results []*goose.MigrationResult
 			if toSet {
 				results, err = migrations.DownTo(ctx, db, opts, to)
 			} else {
 				results, err = migrations.Down(ctx, db, opts)
+			}
+			if errors.Is(err, migrations.ErrDataLoss) {
+				return fmt.Errorf("%w; pass --force to roll back anyway", err)
 			}
 			if err != nil {
 				a.printMigrations("rolled back", results)
@@ -296,60 +272,6 @@ refused, naming the tables and their row counts, unless --force is given.`,
 	cmd.Flags().Int64Var(&to, "to", 0, "roll back every migration above this version (0: all)")
 	cmd.Flags().BoolVar(&force, "force", false, "roll back even when that drops tables holding records or inbox rows")
 	return cmd
-}
-
-// createTable finds the tables a migration's up part creates.
-var createTable = regexp.MustCompile(`(?i)\bCREATE\s+TABLE\s+(?:IF\s+NOT\s+EXISTS\s+)?([a-z_][a-z0-9_]*)`)
-
-// countLimit bounds how many rows refuseDataLoss counts in one table.
-const countLimit = 1_000_000
-
-// refuseDataLoss returns an error naming the tables, with their row counts, that rolling
-// back the migrations above target up to current would drop while they hold rows.
-func refuseDataLoss(ctx context.Context, db *sql.DB, target, current int64) error {
-	var losses []string
-	for v := current; v > max(target, 0); v-- {
-		name, err := migrationFile(v)
-		if err != nil {
-			return err
-		}
-		text, err := fs.ReadFile(migrations.FS(), name)
-		if err != nil {
-			return fmt.Errorf("pgidem: migrate down: read %s: %w", name, err)
-		}
-		for _, m := range createTable.FindAllStringSubmatch(string(text), -1) {
-			// The migration is applied, so its table exists (in the current schema, first
-			// on the search_path). Counting stops past countLimit rows.
-			var rows int64
-			err := db.QueryRowContext(ctx, fmt.Sprintf("SELECT count(*) FROM (SELECT FROM %s LIMIT %d) t",
-				pgx.Identifier{m[1]}.Sanitize(), countLimit+1)).Scan(&rows)
-			if err != nil {
-				return fmt.Errorf("pgidem: migrate down: count the rows of %s: %w", m[1], err)
-			}
-			switch {
-			case rows > countLimit:
-				losses = append(losses, fmt.Sprintf("%s (over %d rows)", m[1], countLimit))
-			case rows == 1:
-				losses = append(losses, fmt.Sprintf("%s (1 row)", m[1]))
-			case rows > 0:
-				losses = append(losses, fmt.Sprintf("%s (%d rows)", m[1], rows))
-			}
-		}
-	}
-	if len(losses) == 0 {
-		return nil
-	}
-	return fmt.Errorf("pgidem: migrate down: refused: it would drop %s; a dropped record lets its key run the effect again, "+
-		"a dropped inbox row lets its message be handled again; pass --force to roll back anyway", strings.Join(losses, " and "))
-}
-
-// migrationFile returns the name of pgidem's migration file with the given version.
-func migrationFile(version int64) (string, error) {
-	names, err := fs.Glob(migrations.FS(), fmt.Sprintf("%05d_*.sql", version))
-	if err != nil || len(names) != 1 {
-		return "", fmt.Errorf("pgidem: migrate down: no migration file for version %d", version)
-	}
-	return names[0], nil
 }
 
 // statusJSON is one row of migrate status --json.

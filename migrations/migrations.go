@@ -340,11 +340,19 @@ SELECT
 // checkManagedHere returns an error matching [ErrManagedElsewhere] when the current schema
 // holds pgidem_record but [VersionTable] records no applied migration there.
 func checkManagedHere(ctx context.Context, db *sql.DB) error {
+	// Both reads in one snapshot: a rollback of the first migration committing between
+	// them (table dropped, version row deleted together) must not look like tables
+	// without a history.
+	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead, ReadOnly: true})
+	if err != nil {
+		return fmt.Errorf("pgidem: migrations: look for pgidem's tables: %w", err)
+	}
+	defer tx.Rollback() //nolint:errcheck // read-only
 	var (
 		hasRecord, hasVersions bool
 		current                string
 	)
-	if err := db.QueryRowContext(ctx, managedSQL, VersionTable).Scan(&hasRecord, &hasVersions, &current); err != nil {
+	if err := tx.QueryRowContext(ctx, managedSQL, VersionTable).Scan(&hasRecord, &hasVersions, &current); err != nil {
 		return fmt.Errorf("pgidem: migrations: look for pgidem's tables: %w", err)
 	}
 	if !hasRecord {
@@ -354,7 +362,7 @@ func checkManagedHere(ctx context.Context, db *sql.DB) error {
 		// Unqualified, the name resolves to the current schema: it is the first schema of
 		// the search_path and holds the table.
 		var applied bool
-		if err := db.QueryRowContext(ctx, "SELECT EXISTS (SELECT 1 FROM "+pgx.Identifier{VersionTable}.Sanitize()+" WHERE version_id > 0)").Scan(&applied); err != nil {
+		if err := tx.QueryRowContext(ctx, "SELECT EXISTS (SELECT 1 FROM "+pgx.Identifier{VersionTable}.Sanitize()+" WHERE version_id > 0)").Scan(&applied); err != nil {
 			return fmt.Errorf("pgidem: migrations: read %s: %w", VersionTable, err)
 		}
 		if applied {

@@ -643,6 +643,15 @@ func TestConnection(t *testing.T) {
 		require.NotContains(t, line, "s3cret")
 	})
 
+	t.Run("UpperCaseScheme", func(t *testing.T) {
+		t.Parallel()
+		// pgx would take it for keyword/value settings and the server would echo them,
+		// password included.
+		line := requireFail(t, cli(t, "Postgresql://app:s3cret@127.0.0.1:5432/db?sslmode=bogus", "stats"), 1)
+		require.Contains(t, line, "the URL scheme must be postgres:// or postgresql://, in lower case")
+		require.NotContains(t, line, "s3cret")
+	})
+
 	t.Run("UnparsableSpacedPassword", func(t *testing.T) {
 		t.Parallel()
 		// libpq accepts spaces around '='; pgconn's best-effort masking does not see this
@@ -1017,6 +1026,11 @@ func TestInstalledOffSearchPath(t *testing.T) {
 	require.Contains(t, line, `pgidem is installed in schema "Idem Store" of this database: pass --schema`)
 	require.Equal(t, "0 (pgidem is not installed here but in schema \"Idem Store\" of this database: pass --schema)\n",
 		requireOK(t, cli(t, db.URL, "migrate", "version")))
+	// With --schema the operator chose the schema (one per tenant, say): no hint.
+	_, err := db.Pool.Exec(context.Background(), `CREATE SCHEMA tenant2`)
+	require.NoError(t, err)
+	require.Contains(t, requireOK(t, cli(t, db.URL, "--schema", "tenant2", "migrate", "version")), "run pgidem migrate up")
+	require.Contains(t, requireFail(t, cli(t, db.URL, "--schema", "tenant2", "stats"), 1), "run 'pgidem migrate up'")
 	r := cli(t, db.URL, "migrate", "up")
 	require.Zero(t, r.code, r.stderr)
 	require.Contains(t, r.stdout, "pgidem schema is now at version")
@@ -1095,6 +1109,10 @@ func TestInbox(t *testing.T) {
 	require.True(t, rows[0].Expired)
 	require.JSONEq(t, `{"order": 42}`, string(rows[0].Payload))
 	require.Contains(t, requireOK(t, cli(t, db.URL, "inbox", "list", "--limit", "1")), "(first 1 rows; raise --limit for more)")
+	out = requireOK(t, cli(t, db.URL, "inbox", "list", "--message-id", "msg-1"))
+	require.Contains(t, out, "billing")
+	require.Contains(t, out, "shipping")
+	require.NotContains(t, out, "-msg-2")
 
 	out = requireOK(t, cli(t, db.URL, "inbox", "show", "billing", "--", "-msg-2"))
 	require.Contains(t, out, "message id  -msg-2\n")

@@ -44,6 +44,12 @@ func (a *app) connString() (connString, source string) {
 // session time zone set to UTC.
 func (a *app) poolConfig() (*pgxpool.Config, string, error) {
 	connString, source := a.connString()
+	if lower := strings.ToLower(connString); (strings.HasPrefix(lower, "postgres://") || strings.HasPrefix(lower, "postgresql://")) &&
+		!strings.HasPrefix(connString, "postgres://") && !strings.HasPrefix(connString, "postgresql://") {
+		// pgx (like libpq) recognises only the lower-case schemes, and would take the URL
+		// for keyword/value settings that the server then echoes, password and all.
+		return nil, source, fmt.Errorf("pgidem: invalid connection string from %s: the URL scheme must be postgres:// or postgresql://, in lower case", source)
+	}
 	cfg, err := pgxpool.ParseConfig(connString)
 	if err != nil {
 		return nil, source, parseError(connString, source, err)
@@ -124,7 +130,8 @@ func connectError(cfg *pgx.ConnConfig, source string, err error) error {
 		}
 	}
 	// No password to mask: pgconn's connect errors name the host, user and database, and the
-	// server's messages never echo a password. Replacing the password's text wherever it
+	// server's messages do not echo a password (a URL with an upper-case scheme, which pgx
+	// would parse as settings the server echoes, is refused before connecting). Replacing the password's text wherever it
 	// occurs would garble the message when the password is short or a common word.
 	msg := strings.Join(parts, "; ")
 	return fmt.Errorf("pgidem: cannot connect to Postgres at %s (database %q, user %q, from %s): %s",

@@ -47,14 +47,21 @@ func (a *app) inboxListCommand() *cobra.Command {
 message was handled (RECEIVED) and the time left before the row expires (EXPIRES).
 --expired lists the rows the next sweep deletes.`,
 		Example: `  pgidem inbox list --consumer billing
+  pgidem inbox list --message-id evt_1042
   pgidem inbox list --expired --json`,
 		Args: cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
 			if err := checkText("--consumer", p.consumer); err != nil {
 				return err
 			}
+			if err := checkText("--message-id", p.messageID); err != nil {
+				return err
+			}
 			if cmd.Flags().Changed("consumer") && p.consumer == "" {
 				return usagef("--consumer must not be empty (omit it to list every consumer)")
+			}
+			if cmd.Flags().Changed("message-id") && p.messageID == "" {
+				return usagef("--message-id must not be empty (omit it to list every message)")
 			}
 			if p.limit < 0 || p.limit > math.MaxInt32 {
 				return usagef("--limit must be between 0 (no limit) and %d, got %d", math.MaxInt32, p.limit)
@@ -90,6 +97,7 @@ message was handled (RECEIVED) and the time left before the row expires (EXPIRES
 	}
 	flags := cmd.Flags()
 	flags.StringVar(&p.consumer, "consumer", "", "only rows of this consumer")
+	flags.StringVar(&p.messageID, "message-id", "", "only rows of this message id (every consumer that handled it)")
 	flags.BoolVar(&p.expired, "expired", false, "only rows the next sweep deletes: past their retention")
 	flags.IntVar(&p.limit, "limit", listLimitDefault, "print at most this many rows (0: all)")
 	return cmd
@@ -178,22 +186,24 @@ func scanInboxRow(row pgx.Row) (*inboxRow, error) {
 
 // inboxListParams are the filters of inbox list.
 type inboxListParams struct {
-	consumer string
-	expired  bool
-	limit    int
+	consumer  string
+	messageID string
+	expired   bool
+	limit     int
 }
 
 // inboxList returns the inbox rows matching p, newest first, at most p.limit of them (0:
 // all); more reports whether further rows match beyond the limit.
 func (s *store) inboxList(ctx context.Context, p inboxListParams) (rows []*inboxRow, more bool, err error) {
-	// $1 (consumer, "" for any) and $2 (expired only) are always bound; $3 is the limit.
+	// $1 (consumer, "" for any), $2 (message id, "" for any) and $3 (expired only) are
+	// always bound; $4 is the limit.
 	query := "SELECT " + inboxColumns + " FROM " + s.inbox + ` i
-		WHERE ($1 = '' OR i.consumer = $1) AND (NOT $2 OR i.expires_at <= now())
+		WHERE ($1 = '' OR i.consumer = $1) AND ($2 = '' OR i.message_id = $2) AND (NOT $3 OR i.expires_at <= now())
 		ORDER BY i.received_at DESC, i.consumer, i.message_id`
-	args := []any{p.consumer, p.expired}
+	args := []any{p.consumer, p.messageID, p.expired}
 	if p.limit > 0 {
 		// One more than asked for: whether it comes back says if more rows match.
-		query += " LIMIT $3"
+		query += " LIMIT $4"
 		args = append(args, p.limit+1)
 	}
 	result, err := s.pool.Query(ctx, query, args...)

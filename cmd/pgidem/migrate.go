@@ -100,15 +100,9 @@ two deploys migrating River at once would otherwise race. River's tables go to
 			// Without --schema, a first install beside pgidem's tables in a schema the
 			// search_path does not reach is often a forgotten --schema: say so (it still
 			// installs; schema-per-tenant set-ups do this on purpose).
-			var elsewhere []string
-			if a.schema == "" {
-				current, _, err := a.versions(ctx, db)
-				if err != nil {
-					return err
-				}
-				if elsewhere, err = a.otherInstalls(ctx, current); err != nil {
-					return err
-				}
+			elsewhere, err := a.otherInstalls(ctx, db)
+			if err != nil {
+				return err
 			}
 			a.noteLockWait(ctx, db)
 			// migrations.Up, not the provider's: it creates --schema first, safely when
@@ -359,7 +353,7 @@ func (a *app) migrateVersionCommand() *cobra.Command {
 			if a.json {
 				return printJSON(a.stdout, map[string]int64{"version": current, "latest": latest})
 			}
-			elsewhere, err := a.otherInstalls(ctx, current)
+			elsewhere, err := a.otherInstalls(ctx, db)
 			if err != nil {
 				return err
 			}
@@ -401,11 +395,15 @@ func (a *app) versions(ctx context.Context, db *sql.DB) (current, latest int64, 
 	return current, latest, nil
 }
 
-// otherInstalls returns the schemas of the database other than the one the command points
-// at where pgidem is installed, when current (that one's version) is 0; else none.
-func (a *app) otherInstalls(ctx context.Context, current int64) ([]string, error) {
-	if current > 0 {
+// otherInstalls returns, when no --schema was given and pgidem is not installed where the
+// connection points, the other schemas of the database where it is installed; else none
+// (with --schema the operator chose the schema: a fresh one is not a mistake).
+func (a *app) otherInstalls(ctx context.Context, db *sql.DB) ([]string, error) {
+	if a.schema != "" {
 		return nil, nil
+	}
+	if installed, err := migrations.Installed(ctx, db, nil); err != nil || installed {
+		return nil, err
 	}
 	pool, err := a.connectPool(ctx)
 	if err != nil {

@@ -85,7 +85,9 @@ func (s *store) missingTable(ctx context.Context, op string, err error) error {
 		switch {
 		case !record:
 			what = "table " + recordTable + " not found"
-			elsewhere, _ = otherInstalls(ctx, s.pool, s.schema)
+			if s.schema == "" { // with --schema, the operator chose where to look
+				elsewhere, _ = otherInstalls(ctx, s.pool, s.schema)
+			}
 		case !inbox:
 			what = "table " + inboxTable + " not found"
 		}

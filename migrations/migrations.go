@@ -105,9 +105,9 @@ type Opts struct {
 	// (see [OpenDB]); otherwise every function returns an error instead of creating the
 	// tables elsewhere.
 	//
-	// Only [Up] creates the schema when it is missing. [NewProvider], [Down], [Reset] and
-	// [Status] return an error for a schema that does not exist, so a mistyped name is
-	// reported instead of created.
+	// Only [Up] creates the schema when it is missing. [NewProvider], [Installed], [Down],
+	// [DownTo], [Reset] and [Status] return an error for a schema that does not exist, so a
+	// mistyped name is reported instead of created.
 	//
 	// Default: "", the current schema of the connection: the first existing schema of its
 	// search_path (usually public).

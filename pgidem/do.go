@@ -104,7 +104,10 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // holder is never taken over. No connection is held while fn runs. Then:
 //   - fn succeeds: the value is stored as JSON (jsonb, encoding/json rules) and returned;
 //     later calls replay it, decoded into T. Zero values, nil pointers, empty slices and
-//     null are stored as such. Two limits come from JSON itself: a json.RawMessage replays
+//     null are stored as such. A stored value that no longer decodes into T (a result
+//     type changed between deploys, two call sites share a key with different types)
+//     replays as an error matching [ErrReplayNotDecodable], and fn does not run. Two
+//     limits come from JSON itself: a json.RawMessage replays
 //     as the same JSON value in jsonb's normal form, and numbers inside an any decode as
 //     float64. A value that cannot be stored exactly (a channel, NaN, a string with NUL or
 //     invalid UTF-8, more than [Config.MaxValueBytes] of JSON, nesting deeper than 10000)
@@ -647,7 +650,7 @@ func decodeReplay[T any](cl *call, r row, value *T) error {
 			NotStorable: f.NotStorable, CompletedAt: r.completedAt.Time}
 	}
 	if err := json.Unmarshal(r.result, value); err != nil {
-		return fmt.Errorf("pgidem: replay %s/%s: decode stored result into %T: %w", cl.namespace, cl.key, *value, err)
+		return fmt.Errorf("%w: %s/%s: decode stored result into %T: %w", ErrReplayNotDecodable, cl.namespace, cl.key, *value, err)
 	}
 	return nil
 }

@@ -1113,3 +1113,24 @@ func TestInvalidNamespaceIsNotAnEventAttribute(t *testing.T) {
 	defer mu.Unlock()
 	require.Equal(t, append(slices.Repeat([]string{""}, 9), "mail"), namespaces)
 }
+
+// A stored result that no longer decodes into the caller's type is a typed error, from Do
+// and DoTx alike, and fn does not run. It used to be an error matching nothing.
+func TestReplayNotDecodable(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	_, err := pgidem.Do(b.ctx, b.coord, "typed", "k", testTTL, nil, func(context.Context) (int, error) { return 42, nil })
+	require.NoError(t, err)
+	mustNotRun := func(context.Context) (string, error) { t.Error("fn ran"); return "", nil }
+	res, err := pgidem.DoResult(b.ctx, b.coord, "typed", "k", testTTL, nil, mustNotRun)
+	require.ErrorIs(t, err, pgidem.ErrReplayNotDecodable)
+	require.ErrorContains(t, err, "typed/k")
+	var typeErr *json.UnmarshalTypeError
+	require.ErrorAs(t, err, &typeErr)
+	require.True(t, res.Replayed)
+	_, err = pgidem.DoInTx(b.ctx, b.coord, "typed", "k", testTTL, nil, func(context.Context, pgx.Tx) (string, error) {
+		t.Error("fn ran")
+		return "", nil
+	})
+	require.ErrorIs(t, err, pgidem.ErrReplayNotDecodable)
+}

@@ -72,6 +72,13 @@ var (
 	// and nothing is recorded.)
 	ErrResultNotStorable = errors.New("pgidem: result not storable")
 
+	// ErrReplayNotDecodable means a completed record's stored result does not decode into
+	// the caller's type T (encoding/json's error is wrapped too): the result type changed
+	// between deploys, or two call sites share a key with different types. The effect ran
+	// and fn is not run again. Read the stored JSON with [Coordinator.Lookup]
+	// (Record.Result), or move the new type to a new namespace.
+	ErrReplayNotDecodable = errors.New("pgidem: stored result does not decode into the caller's type")
+
 	// ErrNotFound is returned by [Coordinator.Lookup] and [Coordinator.Forget] when no
 	// record row exists for the key.
 	ErrNotFound = errors.New("pgidem: record not found")

@@ -180,7 +180,7 @@ at the same moment is never deleted without --force.`,
 				if err != nil {
 					return err
 				}
-				if r.Status == "in_progress" && r.LeaseRemainingSeconds != nil && *r.LeaseRemainingSeconds > 0 {
+				if r.live() {
 					fmt.Fprintln(a.stderr, "pgidem: warning: the record was in progress under a live lease; its holder may still be running the effect, and the next call with the key runs it again beside it")
 				}
 				return a.printFound(r, true, func(w io.Writer) error { return printRecord(w, r) })

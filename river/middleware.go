@@ -63,9 +63,11 @@ type KeyArgs interface {
 // same namespace so their keys collide on purpose. The namespace is limited like any
 // pgidem namespace ([pgidem.Config.MaxNamespaceBytes]); an invalid one fails the job with
 // an error matching [pgidem.ErrInvalidKey] without running the worker. That includes the
-// default: River allows kinds of up to 128 characters, pgidem namespaces 64 bytes by
-// default, so a longer kind needs this method (or [Config.ExcludeKinds]);
-// [Middleware.Register] logs an error for a registered kind that would fail.
+// default: River allows kinds of up to 127 characters (more bytes when not ASCII), pgidem
+// namespaces 64 bytes by default, so a longer kind needs this method with [KeyArgs] (it
+// is not consulted without it), a [Config.KeyFunc] that names a namespace, or
+// [Config.ExcludeKinds]; [Middleware.Register] logs an error for a registered kind that
+// would fail.
 type NamespaceArgs interface {
 	IdempotencyNamespace() string
 }
@@ -114,13 +116,15 @@ const (
 	// ActionSnoozed: another execution holds the key (in progress, lease alive); the job
 	// was answered with river.JobSnooze, which does not use an attempt.
 	ActionSnoozed Action = "snoozed"
-	// ActionReleased: the worker returned an error (including a snooze or cancel error,
-	// and one that matches [pgidem.ErrPermanent] only through a failure a nested pgidem
-	// call replayed: it carries no [pgidem.Permanent] error, so pgidem did not store it) or
-	// panicked; the reservation was released and the error returned unchanged (a panic
-	// continues, for River to recover), so River's retry runs the worker again. (If the
-	// lease was lost meanwhile there was nothing left to release: the record is the new
-	// holder's, pgidem logs the lost lease, and the retry replays or waits for its outcome.)
+	// ActionReleased: the worker returned an error or panicked; the reservation was
+	// released and the error returned unchanged (a panic continues, for River to recover).
+	// River's retry runs the worker again, unless the error is the worker's own
+	// river.JobSnooze (River runs the job later) or river.JobCancel (River stops). An
+	// error that matches [pgidem.ErrPermanent] only through a failure a nested pgidem call
+	// replayed is such an error: it carries no [pgidem.Permanent] error, so nothing was
+	// stored. (If the lease was lost meanwhile there was nothing left to release: the
+	// record is the new holder's, pgidem logs the lost lease, and the retry replays or
+	// waits for its outcome.)
 	ActionReleased Action = "released"
 	// ActionCancelled: the effect failed permanently (the worker returned a
 	// [pgidem.Permanent] error, now or on an earlier job with the key, possibly wrapped in
@@ -439,8 +443,9 @@ func AddWorker[T river.JobArgs](workers *river.Workers, m *Middleware, worker ri
 // replaces the earlier type. A [TTLArgs] TTL the coordinator refuses (below
 // [pgidem.Config.MinTTL], or not longer than its lease) is logged at error: every job of
 // the kind would fail with [pgidem.ErrInvalidTTL] before its worker runs. So is a kind
-// longer than [pgidem.Config.MaxNamespaceBytes] whose args do not implement
-// [NamespaceArgs] (jobs would fail with [pgidem.ErrInvalidKey]). Call it before
+// longer than [pgidem.Config.MaxNamespaceBytes] that would be its jobs' namespace (keyed
+// args without [NamespaceArgs]; args without a key and no [Config.KeyFunc]): the jobs would
+// fail with [pgidem.ErrInvalidKey]. Call it before
 // the client starts; safe for concurrent use. It panics on a nil args value, as
 // river.AddWorker does on a nil worker.
 func (m *Middleware) Register(args ...river.JobArgs) {
@@ -461,13 +466,14 @@ func (m *Middleware) Register(args ...river.JobArgs) {
 					slog.Duration("min_ttl", cc.MinTTL), slog.Duration("lease", cc.Lease))
 			}
 		}
-		// The kind is the namespace unless the args name one, or (args without a key
-		// method) Config.KeyFunc may return one.
+		// The kind is the namespace unless keyed args name one (NamespaceArgs is consulted
+		// only with KeyArgs), or, for args without a key method, Config.KeyFunc may.
 		_, named := implementation[NamespaceArgs](a)
-		if !named && !m.exclude[info.kind] && (info.keyed || m.config.KeyFunc == nil) {
+		kindIsNamespace := (info.keyed && !named) || (!info.keyed && m.config.KeyFunc == nil)
+		if kindIsNamespace && !m.exclude[info.kind] {
 			if limit := m.coord.Config().MaxNamespaceBytes; len(info.kind) > limit {
 				m.config.Logger.Error("pgidemriver: job kind is longer than a pgidem namespace may be; every job of the kind will fail before its worker runs "+
-					"(implement NamespaceArgs, or exclude the kind)",
+					"(implement KeyArgs and NamespaceArgs, set Config.KeyFunc, or exclude the kind)",
 					slog.String("job_kind", info.kind), slog.Int("kind_bytes", len(info.kind)), slog.Int("max_namespace_bytes", limit))
 			}
 		}

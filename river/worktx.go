@@ -75,7 +75,11 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 // returns an error at once.
 //
 // Errors (tx holds nothing to keep unless noted):
-//   - fn's error, unchanged: fn's writes are undone and River retries the job.
+//   - fn's error, unchanged: fn's writes are undone and River retries the job (unless it
+//     is fn's own river.JobSnooze or river.JobCancel, which River honours).
+//   - a replayed result that does not decode into T: an error matching
+//     [pgidem.ErrReplayNotDecodable]; River retries (a deploy that restores the type
+//     lets the job replay).
 //   - another transaction holds the key (after the wait of [pgidem.InFlightWait], or at
 //     once under [pgidem.InFlightRaise]): river.JobSnooze with the retry-after hint
 //     clamped to [SnoozeMinDefault] and [SnoozeMaxDefault], which uses no attempt; the next
@@ -135,10 +139,12 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 	case errors.As(err, &inProgress):
 		// Clamped like the middleware's snooze: never a busy loop, never a whole lease.
 		return res, false, river.JobSnooze(min(max(inProgress.RetryAfter, SnoozeMinDefault), SnoozeMaxDefault))
-	case res.Replayed || errors.As(err, new(*pgidem.PermanentError)):
+	case isStoredFailure(res, err) || errors.As(err, new(*pgidem.PermanentError)):
 		// A stored failure replayed, or fn's pgidem.Permanent error (stored in tx, or not
 		// stored when pgidem says so). fn's error that matches ErrPermanent only through a
-		// failure a nested call replayed is an ordinary error: DoTx did not store it.
+		// failure a nested call replayed is an ordinary error: DoTx did not store it. So is
+		// a replayed result that does not decode (pgidem.ErrReplayNotDecodable): River
+		// retries, and a deploy that fixes the type lets the job replay.
 		_, notStored := err.(*pgidem.FailureNotStoredError)
 		return res, !res.Replayed && !notStored, river.JobCancel(err)
 	default:
@@ -157,6 +163,12 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 			job.ID, completed.State, ErrJobNotRunning)
 	}
 	return res, false, nil
+}
+
+// isStoredFailure reports whether err is the key's own stored failure, replayed.
+func isStoredFailure[T any](res pgidem.Result[T], err error) bool {
+	_, stored := err.(*pgidem.StoredFailureError)
+	return res.Replayed && stored
 }
 
 // WorkInTx makes a job's database effect exactly-once in a transaction of its own: it

@@ -264,3 +264,19 @@ func TestShouldCommit(t *testing.T) {
 		require.Equal(t, c.want, pgidemriver.ShouldCommit(c.err), "%v", c.err)
 	}
 }
+
+// A replayed result that no longer decodes into T is not a stored failure: WorkTx returns
+// it as an ordinary error (River retries), not a JobCancel. It used to cancel the job.
+func TestWorkTxReplayNotDecodable(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, err := pgidem.Do(b.ctx, b.coord, "orders", "order-60.ship", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+	require.NoError(t, err)
+	j := &river.Job[ShipArgs]{JobRow: &rivertype.JobRow{ID: 300, Kind: "order.ship", State: rivertype.JobStateRunning}}
+	_, err = pgidemriver.WorkInTx(b.ctx, b.coord, j, "orders", "order-60.ship", testTTL, nil,
+		func(context.Context, pgx.Tx) (string, error) { t.Error("fn ran"); return "", nil })
+	require.ErrorIs(t, err, pgidem.ErrReplayNotDecodable)
+	var cancel *river.JobCancelError
+	require.False(t, errors.As(err, &cancel))
+	require.False(t, pgidemriver.ShouldCommit(err))
+}

@@ -70,13 +70,13 @@ const (
 	LockRetryAttempts = 300
 )
 
-// ErrManagedElsewhere is returned (wrapped, with the schema named) by [NewProvider] and so
-// by every function of this package when pgidem's tables exist in the current schema but
-// [VersionTable] records no migration there: they were created by another migration tool,
-// from pgidem's files copied into the application's own migrations (docs/migrations.md).
-// That tool's history is the one that knows them; applying the files again from here would
-// fail on the existing tables, so nothing is run or created. Keep migrating them with that
-// tool.
+// ErrManagedElsewhere is returned (wrapped, with the schema named) by [NewProvider], [Up],
+// [Down], [DownTo], [Reset], [Status] and [Installed] when pgidem's tables exist in the
+// current schema but [VersionTable] records no migration there: another migration tool
+// created them, from pgidem's files copied into the application's own migrations, or the
+// goose CLI without -table pgidem_goose_db_version (docs/migrations.md). That tool's
+// history is the one that knows them; applying the files again from here would fail on
+// the existing tables, so nothing is run or created. Keep migrating them with that tool.
 var ErrManagedElsewhere = errors.New("pgidem: migrations: pgidem's tables are managed by another migration tool")
 
 // ErrDataLoss is returned (wrapped, naming the tables and their row counts) by [Down],
@@ -119,10 +119,13 @@ type Opts struct {
 	// RefuseDataLoss makes [Down], [DownTo] and [Reset] refuse, rolling back nothing, when
 	// a migration they would roll back drops a table that holds rows (pgidem_record:
 	// every completed key would run its effect again; pgidem_inbox: every recorded message
-	// would be handled again): the error matches [ErrDataLoss]. The check and the rollback
-	// run under [LockID], on exactly the migrations checked. Rows are counted up to a
-	// million per table. Default false: they roll back as asked. `pgidem migrate down`
-	// sets it unless --force.
+	// would be handled again): the error matches [ErrDataLoss]. The check runs under
+	// [LockID], on the connection goose then rolls back with, so another rollback cannot
+	// change what is rolled back after the check. It guards against rolling back the
+	// wrong database, not against the application writing meanwhile: a row committed
+	// between the check and the DROP is dropped with its table, so stop the application's
+	// use of pgidem first. Rows are counted up to a million per table. Default false: they
+	// roll back as asked. `pgidem migrate down` sets it unless --force.
 	RefuseDataLoss bool
 }
 
@@ -192,8 +195,7 @@ func OpenDB(connString, schema string) (*sql.DB, error) {
 }
 
 // NewProvider returns a goose provider for pgidem's migrations on db, configured with
-// [VersionTable], [LockID] and goose's global registry disabled. Use it for operations the
-// package functions do not wrap (UpTo, DownTo, ApplyVersion). Cancelling ctx stops its
+// [VersionTable], [LockID] and goose's global registry disabled. Cancelling ctx stops its
 // checks.
 //
 // NewProvider queries db to check where pgidem is installed, and returns an error (creating
@@ -210,16 +212,37 @@ func OpenDB(connString, schema string) (*sql.DB, error) {
 //   - pgidem's tables are in the current schema but [VersionTable] records no migration
 //     there: another tool installed them ([ErrManagedElsewhere]).
 //
+// Use it for operations the package functions do not wrap (UpTo, ApplyVersion); prefer
+// [DownTo] to the provider's, which honours [Opts.RefuseDataLoss] and refuses a database
+// newer than this build.
+//
 // Like goose's own provider, the returned provider creates [VersionTable] in the current
 // schema on its first operation, Status and version queries included; [Status], [Down],
-// [Reset] and [Installed] do not where pgidem was never installed.
+// [DownTo], [Reset] and [Installed] do not where pgidem was never installed.
 func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, error) {
-	return newProvider(ctx, db, opts, true)
+	locker, err := sessionLocker()
+	if err != nil {
+		return nil, err
+	}
+	return newProvider(ctx, db, opts, locker)
 }
 
-// newProvider is [NewProvider]; without locked, the provider takes no lock, for reports
-// that must not wait for a migration in progress (goose's Status and GetDBVersion take it).
-func newProvider(ctx context.Context, db *sql.DB, opts *Opts, locked bool) (*goose.Provider, error) {
+// sessionLocker returns goose's Postgres session locker on [LockID], waiting as documented.
+func sessionLocker() (lock.SessionLocker, error) {
+	locker, err := lock.NewPostgresSessionLocker(
+		lock.WithLockID(LockID),
+		lock.WithLockTimeout(LockRetryPeriodSeconds, LockRetryAttempts),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("pgidem: migrations: session locker: %w", err)
+	}
+	return locker, nil
+}
+
+// newProvider is [NewProvider] with the given session locker; with none, the provider takes
+// no lock, for reports that must not wait for a migration in progress (goose's Status and
+// GetDBVersion take it).
+func newProvider(ctx context.Context, db *sql.DB, opts *Opts, locker lock.SessionLocker) (*goose.Provider, error) {
 	if db == nil {
 		return nil, errors.New("pgidem: migrations: db is nil")
 	}
@@ -243,14 +266,7 @@ func newProvider(ctx context.Context, db *sql.DB, opts *Opts, locked bool) (*goo
 		goose.WithTableName(VersionTable),
 		goose.WithDisableGlobalRegistry(true),
 	}
-	if locked {
-		locker, err := lock.NewPostgresSessionLocker(
-			lock.WithLockID(LockID),
-			lock.WithLockTimeout(LockRetryPeriodSeconds, LockRetryAttempts),
-		)
-		if err != nil {
-			return nil, fmt.Errorf("pgidem: migrations: session locker: %w", err)
-		}
+	if locker != nil {
 		providerOpts = append(providerOpts, goose.WithSessionLocker(locker))
 	}
 	if opts.Logger != nil {
@@ -434,8 +450,10 @@ func createSchema(ctx context.Context, db *sql.DB, schema string) (err error) {
 // [Opts.Schema] set it first creates that schema if it does not exist, under the same lock
 // id; when the connection's current schema is not Opts.Schema it returns an error and
 // creates nothing. It returns the errors of [NewProvider] too. It returns the migrations
-// this call applied (none when the schema is current). Cancelling ctx stops between
-// statements; a migration interrupted mid-way is rolled back by its transaction.
+// this call applied (none when the schema is current), also those applied before a
+// failing one (goose's *goose.PartialError, which the error wraps). Cancelling ctx stops
+// between statements; a migration interrupted mid-way is rolled back by its transaction.
+// Safe for concurrent use, in one process or many: that is what the lock is for.
 func Up(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, error) {
 	if db != nil && opts != nil && opts.Schema != "" {
 		if err := checkSchemaName("Opts.Schema", opts.Schema); err != nil {
@@ -451,16 +469,17 @@ func Up(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, 
 	}
 	results, err := provider.Up(ctx)
 	if err != nil {
-		return results, fmt.Errorf("pgidem: migrations: up: %w", err)
+		return completed(results, err), fmt.Errorf("pgidem: migrations: up: %w", err)
 	}
 	return results, nil
 }
 
 // Installed reports whether pgidem's version table ([VersionTable]) exists in db's current
 // schema, where [Opts.Schema] (or the search_path) points: false means no pgidem migration
-// was ever applied there. It creates nothing, and returns the errors of [NewProvider].
+// was ever applied there. It creates nothing, takes no lock, and returns the errors of
+// [NewProvider]. Cancelling ctx stops its queries. Safe for concurrent use.
 func Installed(ctx context.Context, db *sql.DB, opts *Opts) (bool, error) {
-	if _, err := newProvider(ctx, db, opts, false); err != nil {
+	if _, err := newProvider(ctx, db, opts, nil); err != nil {
 		return false, err
 	}
 	return installed(ctx, db)
@@ -480,6 +499,8 @@ func installed(ctx context.Context, db *sql.DB) (bool, error) {
 
 // Down rolls back the most recently applied pgidem migration, like goose's Down and
 // `pgidem migrate down`; the results hold it, or nothing when no migration is applied.
+// Cancelling ctx stops the wait for the lock or the rollback (its transaction rolls back).
+// Safe for concurrent use: concurrent rollbacks run one after the other.
 // Where pgidem was never installed ([Installed] is false) it does nothing and creates
 // nothing. It holds [LockID] like [Up], and returns the errors of [NewProvider] (a missing
 // Opts.Schema among them). A rollback removes what the migration created, rows included:
@@ -502,13 +523,14 @@ func Reset(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResul
 
 // DownTo rolls back the applied pgidem migrations above version, most recently applied
 // first, like goose's down-to and `pgidem migrate down --to VERSION` (like goose, it stops
-// at the first applied migration at or below version), and returns them (none when the
+// at the first applied migration at or below version), and returns them (also those rolled
+// back before a failing one, whose *goose.PartialError the error wraps; none when the
 // database is at version or below). A rollback removes what the migration created, rows
 // included, unless [Opts.RefuseDataLoss]. Where pgidem was never installed ([Installed]
 // is false) it does nothing and creates nothing. It holds [LockID] like [Up], returns the
 // errors of [NewProvider] (a missing Opts.Schema among them) and, like [Down], refuses a
 // database at a version newer than this build's latest migration. A negative version
-// returns an error.
+// returns an error. Cancelling ctx and concurrent use are as for [Down].
 func DownTo(ctx context.Context, db *sql.DB, opts *Opts, version int64) ([]*goose.MigrationResult, error) {
 	if version < 0 {
 		return nil, fmt.Errorf("pgidem: migrations: down: version %d is negative", version)
@@ -516,87 +538,117 @@ func DownTo(ctx context.Context, db *sql.DB, opts *Opts, version int64) ([]*goos
 	return down(ctx, db, opts, version, false)
 }
 
-// down rolls back, under [LockID], the applied migrations above target in the order goose
-// would (most recently applied first, stopping at the first at or below target; only that
-// first one when byOne). It plans and checks ([Opts.RefuseDataLoss]) under the lock and
-// then rolls back exactly the planned migrations, one by one, so a concurrent rollback
-// cannot make it roll back one it did not check.
-func down(ctx context.Context, db *sql.DB, opts *Opts, target int64, byOne bool) (_ []*goose.MigrationResult, err error) {
+// down rolls back, with goose, the applied migrations above target (only the most recently
+// applied one when byOne). Before goose plans the rollback, on the connection and under
+// the lock goose then migrates with, the session locker checks the same plan: a version
+// this build does not have is refused, and so, with [Opts.RefuseDataLoss], is a plan
+// that drops a table holding rows. So a concurrent rollback cannot change what was
+// checked, and a *sql.DB of one connection works, as with goose alone.
+func down(ctx context.Context, db *sql.DB, opts *Opts, target int64, byOne bool) ([]*goose.MigrationResult, error) {
 	if opts == nil {
 		opts = &Opts{}
 	}
-	// The provider takes no lock of its own: this function holds LockID throughout.
-	provider, err := newProvider(ctx, db, opts, false)
-	if err != nil {
+	if _, err := newProvider(ctx, db, opts, nil); err != nil { // the checks; creates nothing
 		return nil, err
 	}
 	if ok, err := installed(ctx, db); err != nil || !ok {
 		return nil, err
 	}
-	conn, err := db.Conn(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("pgidem: migrations: down: %w", err)
-	}
-	defer conn.Close()
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(LockID), lock.WithLockTimeout(LockRetryPeriodSeconds, LockRetryAttempts))
-	if err != nil {
-		return nil, fmt.Errorf("pgidem: migrations: session locker: %w", err)
-	}
-	if err := locker.SessionLock(ctx, conn); err != nil {
-		return nil, fmt.Errorf("pgidem: migrations: down: take lock %d: %w", LockID, err)
-	}
-	defer func() {
-		if uerr := locker.SessionUnlock(context.WithoutCancel(ctx), conn); uerr != nil && err == nil {
-			err = fmt.Errorf("pgidem: migrations: down: release lock %d: %w", LockID, uerr)
-		}
-	}()
-
-	plan, err := downPlan(ctx, conn, provider, target, byOne)
+	inner, err := sessionLocker()
 	if err != nil {
 		return nil, err
 	}
-	if opts.RefuseDataLoss {
-		if err := refuseDataLoss(ctx, conn, plan); err != nil {
-			return nil, err
+	var sources []*goose.Source
+	locker := &checkingLocker{SessionLocker: inner, check: func(ctx context.Context, conn *sql.Conn) error {
+		plan, err := downPlan(ctx, conn, sources[len(sources)-1].Version, target, byOne)
+		if err != nil || !opts.RefuseDataLoss {
+			return err
 		}
+		return refuseDataLoss(ctx, conn, plan)
+	}}
+	provider, err := newProvider(ctx, db, opts, locker)
+	if err != nil {
+		return nil, err
 	}
+	sources = provider.ListSources()
 	var results []*goose.MigrationResult
-	for _, version := range plan {
-		res, err := provider.ApplyVersion(ctx, version, false)
+	if byOne {
+		var res *goose.MigrationResult
+		res, err = provider.Down(ctx)
 		if res != nil {
 			results = append(results, res)
 		}
-		if err != nil {
-			return results, fmt.Errorf("pgidem: migrations: down: %w", err)
+		if errors.Is(err, goose.ErrNoNextVersion) {
+			err = nil // nothing applied: nothing to roll back
 		}
+	} else {
+		results, err = provider.DownTo(ctx, target)
+	}
+	switch {
+	case locker.err != nil:
+		return nil, locker.err // refused before anything ran; goose wraps it
+	case err != nil:
+		return completed(results, err), fmt.Errorf("pgidem: migrations: down: %w", err)
 	}
 	return results, nil
 }
 
+// completed returns the migrations that ran before err: goose reports them in a
+// *goose.PartialError rather than in its results.
+func completed(results []*goose.MigrationResult, err error) []*goose.MigrationResult {
+	var partial *goose.PartialError
+	if len(results) == 0 && errors.As(err, &partial) {
+		return partial.Applied
+	}
+	return results
+}
+
+// checkingLocker is goose's session locker followed by a check on the same connection,
+// under the lock; when the check fails, it releases the lock and returns the check's
+// error (kept in err), so goose migrates nothing.
+type checkingLocker struct {
+	lock.SessionLocker
+	check func(context.Context, *sql.Conn) error
+	err   error
+}
+
+// SessionLock implements lock.SessionLocker.
+func (l *checkingLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
+	if err := l.SessionLocker.SessionLock(ctx, conn); err != nil {
+		return err
+	}
+	if err := l.check(ctx, conn); err != nil {
+		l.err = err
+		if uerr := l.SessionLocker.SessionUnlock(context.WithoutCancel(ctx), conn); uerr != nil {
+			return errors.Join(err, uerr)
+		}
+		return err
+	}
+	return nil
+}
+
 // downPlan lists the migrations to roll back, as goose's down and down-to choose them from
-// the version table (newest row first). It refuses a database at a version this build
-// does not have.
-func downPlan(ctx context.Context, conn *sql.Conn, provider *goose.Provider, target int64, byOne bool) ([]int64, error) {
+// the version table (newest row first, stopping at the first at or below target). It
+// refuses a plan holding a version above latest, which this build does not have.
+func downPlan(ctx context.Context, conn *sql.Conn, latest, target int64, byOne bool) ([]int64, error) {
 	rows, err := conn.QueryContext(ctx, "SELECT version_id FROM "+pgx.Identifier{VersionTable}.Sanitize()+" ORDER BY id DESC")
 	if err != nil {
 		return nil, fmt.Errorf("pgidem: migrations: down: read %s: %w", VersionTable, err)
 	}
 	defer rows.Close()
-	sources := provider.ListSources()
-	latest := sources[len(sources)-1].Version
 	var plan []int64
 	for rows.Next() {
 		var version int64
 		if err := rows.Scan(&version); err != nil {
 			return nil, fmt.Errorf("pgidem: migrations: down: read %s: %w", VersionTable, err)
 		}
+		if version <= target || version == 0 {
+			break
+		}
 		if version > latest {
 			return nil, fmt.Errorf("pgidem: migrations: down: the database is at pgidem schema version %d, newer than "+
 				"the latest migration this build has (%d): it was migrated by a newer pgidem release; roll back with that release",
 				version, latest)
-		}
-		if version <= target || version == 0 {
-			break
 		}
 		plan = append(plan, version)
 		if byOne {
@@ -671,6 +723,7 @@ func refuseDataLoss(ctx context.Context, conn *sql.Conn, plan []int64) error {
 // created (goose's own Status would create the version table). It returns the errors of
 // [NewProvider] (a missing Opts.Schema among them). It takes no lock: it reads the version
 // table as it is, without waiting for a migration in progress ([Up] in another process).
+// Cancelling ctx stops its queries. Safe for concurrent use.
 //
 // AppliedAt comes from goose's version table, a timestamp without time zone written with
 // now() in the session time zone of the connection that applied the migration; it is read
@@ -679,7 +732,7 @@ func refuseDataLoss(ctx context.Context, conn *sql.Conn, plan []int64) error {
 // goose CLI, another tool, a *sql.DB opened by the caller, on a server whose TimeZone is
 // not UTC) shows shifted by that zone's offset.
 func Status(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationStatus, error) {
-	provider, err := newProvider(ctx, db, opts, false)
+	provider, err := newProvider(ctx, db, opts, nil)
 	if err != nil {
 		return nil, err
 	}

@@ -507,6 +507,28 @@ func TestRefuseDataLoss(t *testing.T) {
 		require.False(t, tableExists(t, db, "public", "pgidem_record_overview"))
 	})
 
+	t.Run("OneConnection", func(t *testing.T) {
+		t.Parallel()
+		// The check runs on goose's own locked connection, so a *sql.DB of one connection
+		// rolls back as with goose alone. (A version holding the lock on a connection of
+		// its own waited forever for a second one.)
+		db := open(t, testdb.NewUnmigrated(t).URL, "")
+		db.SetMaxOpenConns(1)
+		_, err := migrations.Up(ctx, db, nil)
+		require.NoError(t, err)
+		ctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		results, err := migrations.Down(ctx, db, guarded)
+		require.NoError(t, err)
+		require.Len(t, results, 1)
+		addInboxRow(t, db)
+		_, err = migrations.Reset(ctx, db, guarded)
+		require.ErrorIs(t, err, migrations.ErrDataLoss)
+		results, err = migrations.Reset(ctx, db, nil)
+		require.NoError(t, err)
+		require.Len(t, results, 2)
+	})
+
 	t.Run("Gaps", func(t *testing.T) {
 		t.Parallel()
 		// Versions 1 and 3 recorded, the inbox table gone: the check skips the missing

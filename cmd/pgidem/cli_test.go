@@ -647,9 +647,11 @@ func TestConnection(t *testing.T) {
 		t.Parallel()
 		// pgx would take it for keyword/value settings and the server would echo them,
 		// password included.
-		line := requireFail(t, cli(t, "Postgresql://app:s3cret@127.0.0.1:5432/db?sslmode=bogus", "stats"), 1)
-		require.Contains(t, line, "the URL scheme must be postgres:// or postgresql://, in lower case")
-		require.NotContains(t, line, "s3cret")
+		for _, url := range []string{"Postgresql://app:s3cret@127.0.0.1:5432/db?sslmode=bogus", " postgres://app:s3cret@127.0.0.1:5432/db?sslmode=bogus"} {
+			line := requireFail(t, cli(t, url, "stats"), 1)
+			require.Contains(t, line, "a URL must start with postgres:// or postgresql://", url)
+			require.NotContains(t, line, "s3cret", url)
+		}
 	})
 
 	t.Run("UnparsableSpacedPassword", func(t *testing.T) {
@@ -1131,4 +1133,26 @@ func TestInbox(t *testing.T) {
 	line = requireFail(t, cli(t, db.URL, "inbox", "list", "--consumer", ""), 2)
 	require.Contains(t, line, "--consumer must not be empty")
 	requireFail(t, cli(t, db.URL, "inbox", "show", "billing"), 2)
+}
+
+// A rollback that fails part-way (here a view of the application's depends on the inbox)
+// still reports, with --json, what it rolled back before the failure.
+func TestMigrateDownPartialJSON(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	_, err := db.Pool.Exec(context.Background(), `CREATE VIEW app_inbox AS SELECT consumer FROM pgidem_inbox`)
+	require.NoError(t, err)
+	r := cli(t, db.URL, "migrate", "down", "--to", "0", "--force", "--json")
+	require.Equal(t, 1, r.code, r.stderr)
+	var out struct {
+		RolledBack []struct {
+			Version int64 `json:"version"`
+		} `json:"rolled_back"`
+		Version int64 `json:"version"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(r.stdout), &out), r.stdout)
+	require.Len(t, out.RolledBack, 1)
+	require.Equal(t, int64(3), out.RolledBack[0].Version)
+	require.Equal(t, int64(2), out.Version)
+	require.Contains(t, r.stderr, "other objects depend on it")
 }

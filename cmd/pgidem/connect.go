@@ -44,11 +44,12 @@ func (a *app) connString() (connString, source string) {
 // session time zone set to UTC.
 func (a *app) poolConfig() (*pgxpool.Config, string, error) {
 	connString, source := a.connString()
-	if lower := strings.ToLower(connString); (strings.HasPrefix(lower, "postgres://") || strings.HasPrefix(lower, "postgresql://")) &&
+	if lower := strings.ToLower(strings.TrimSpace(connString)); (strings.HasPrefix(lower, "postgres://") || strings.HasPrefix(lower, "postgresql://")) &&
 		!strings.HasPrefix(connString, "postgres://") && !strings.HasPrefix(connString, "postgresql://") {
-		// pgx (like libpq) recognises only the lower-case schemes, and would take the URL
-		// for keyword/value settings that the server then echoes, password and all.
-		return nil, source, fmt.Errorf("pgidem: invalid connection string from %s: the URL scheme must be postgres:// or postgresql://, in lower case", source)
+		// pgx (like libpq) recognises only the lower-case schemes at the very start, and
+		// would take anything else for keyword/value settings that the server then echoes,
+		// password and all.
+		return nil, source, fmt.Errorf("pgidem: invalid connection string from %s: a URL must start with postgres:// or postgresql://, in lower case and with nothing before it", source)
 	}
 	cfg, err := pgxpool.ParseConfig(connString)
 	if err != nil {

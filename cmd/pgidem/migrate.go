@@ -239,17 +239,22 @@ refused, naming the tables and their row counts, unless --force is given.`,
 			if errors.Is(err, migrations.ErrDataLoss) {
 				return fmt.Errorf("%w; pass --force to roll back anyway", err)
 			}
-			if err != nil {
-				a.printMigrations("rolled back", results)
-				return err
-			}
 			out := migrateResultJSON{Applied: []migrationJSON{}, RolledBack: resultsJSON(results)}
-			err = a.withProviderDB(ctx, db, func(p *goose.Provider) error {
+			verr := a.withProviderDB(ctx, db, func(p *goose.Provider) error {
+				var err error
 				out.Version, _, err = p.GetVersions(ctx) // no lock: a deploy may be migrating
 				return err
 			})
 			if err != nil {
-				return fmt.Errorf("pgidem: migrate down: read version: %w", err)
+				// What was rolled back before the failure, then the error.
+				if a.json && verr == nil && len(results) > 0 {
+					_ = printJSON(a.stdout, out)
+				}
+				a.printMigrations("rolled back", results)
+				return err
+			}
+			if verr != nil {
+				return fmt.Errorf("pgidem: migrate down: read version: %w", verr)
 			}
 			if a.json {
 				return printJSON(a.stdout, out)

@@ -27,9 +27,10 @@
 // Following the draft (section 2.7):
 //   - a missing key where [Config.Required]: 400;
 //   - the key reused with a different request (method, path, query or body, by
-//     [Config.Fingerprint]): 422 — also after a 5xx released a record that had been taken
-//     over from a server that died, since that server may have acted on the first request
-//     (a first record released is deleted, and the key is free);
+//     [Config.Fingerprint]): 422 — also after a response that was not stored
+//     ([Config.Store]: 5xx and a few retryable 4xx by default, or a panic) released a
+//     record that had been taken over from a server that died, since that server may have
+//     acted on the first request (a first record released is deleted, and the key is free);
 //   - a retry while the first request is still being handled: 409 with Retry-After;
 //   - a retry after it completed: the stored status, body and allowlisted headers
 //     ([Config.ReplayHeaders]), with Idempotent-Replayed: true.

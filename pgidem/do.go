@@ -23,11 +23,11 @@ import (
 type DoOpts struct {
 	// Fingerprint identifies the payload the key was first used for (callers hash the
 	// request body or the fields that matter). It is stored on reserve and compared on every
-	// later path — replay, in progress, takeover — when both the stored and the given
-	// fingerprint are non-nil; a difference returns [ErrFingerprintMismatch] and fn is not
-	// run. A released first reservation is deleted and binds nothing, but a record released
-	// after a takeover keeps its fingerprint: the dead holder may have run the effect for
-	// that payload, so another payload under the key stays refused until the record
+	// later path (replay, in progress, takeover) when both the stored and the given
+	// fingerprint are non-nil. A difference returns [ErrFingerprintMismatch], and fn is not
+	// run. A released first reservation is deleted and binds nothing. A record released
+	// after a takeover keeps its fingerprint, since the dead holder may have run the effect
+	// for that payload: another payload under the key stays refused until the record
 	// expires. Default nil: no check.
 	Fingerprint []byte
 

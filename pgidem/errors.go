@@ -75,12 +75,12 @@ var (
 	// ErrReplayNotDecodable means a completed record's stored result does not decode into
 	// the caller's type T (encoding/json's error is wrapped too): the result type changed
 	// between deploys, or two call sites share a key with different types. The effect ran
-	// and fn is not run again. Read the stored JSON with [Coordinator.Lookup]
-	// (Record.Result), or move the new type to a new namespace.
+	// and fn is not run again (Result.Replayed is true). Read the stored JSON with
+	// [Coordinator.Lookup] (Record.Result), or move the new type to a new namespace.
 	ErrReplayNotDecodable = errors.New("pgidem: stored result does not decode into the caller's type")
 
-	// ErrNotFound is returned by [Coordinator.Lookup] and [Coordinator.Forget] when no
-	// record row exists for the key.
+	// ErrNotFound is returned by [Coordinator.Lookup], [Coordinator.LookupTx] and
+	// [Coordinator.Forget] when no record row exists for the key.
 	ErrNotFound = errors.New("pgidem: record not found")
 
 	// ErrInvalidArgument means a setting or argument other than the key and the TTL is
@@ -89,7 +89,8 @@ var (
 	// [Coordinator.InboxRecordTx]'s transaction), a [DoOpts] field other than Lease (an
 	// [*InvalidTTLError]) or a [SweepOpts] field out of range, a read-only transaction
 	// given to [DoTx] (which must write the record), or a call for a key from within the
-	// fn of a call that holds it. The error's message names the field. fn is not run.
+	// fn of a call that holds it. The error's message names the field (or, for a held
+	// key, the key). fn is not run.
 	ErrInvalidArgument = errors.New("pgidem: invalid argument")
 )
 
@@ -192,7 +193,7 @@ func (e *FingerprintMismatchError) Is(target error) bool { return target == ErrF
 // *pgconn.PgError can be inspected with [errors.As].
 type StoreError struct {
 	// Op is the protocol step that failed: "reserve", "takeover", "complete", "release",
-	// "lookup", "sweep"; "heartbeat" for the renewal Do makes before fn starts when the
+	// "lookup", "forget", "sweep"; "heartbeat" for the renewal Do makes before fn starts when the
 	// reserving statement waited a third of the lease or more (fn then does not run); for
 	// DoTx and the inbox also "begin", "lock", "savepoint", "commit", "inbox". (A failed
 	// renewal while fn runs is logged and reported as an event, not returned.)

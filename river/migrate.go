@@ -6,7 +6,10 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"unicode"
+	"unicode/utf8"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -23,8 +26,10 @@ const MigrateLockID int64 = 0x70676964656d7276
 
 // MigrateOpts are optional settings for [MigrateRiver]; nil means defaults.
 type MigrateOpts struct {
-	// Schema is the schema of River's tables (river.Config.Schema), created if missing.
-	// Default "": the connection's search_path. Migrations of every schema share
+	// Schema is the schema of River's tables (river.Config.Schema), created if missing. It
+	// must be valid UTF-8 without control characters, at most 63 bytes and not only white
+	// space (pgidem's rules for a schema name), or MigrateRiver returns an error matching
+	// pgidem.ErrInvalidArgument. Default "": the connection's search_path. Migrations of every schema share
 	// [MigrateLockID], so they run one at a time per database.
 	Schema string
 	// TargetVersion migrates up to this River migration version. Default 0: the latest.
@@ -56,8 +61,7 @@ const schemaMaxBytes = 63
 // transaction). It returns the versions this call applied (none when River's schema is
 // current) and, on failure, an error prefixed "pgidemriver: MigrateRiver: " wrapping
 // rivermigrate's or the driver's (a context error when ctx ended; an error matching
-// [pgidem.ErrInvalidArgument] for a nil pool, or an Opts.Schema over 63 bytes or only
-// white space). A missing Opts.Schema is created first,
+// [pgidem.ErrInvalidArgument] for a nil pool or an invalid [MigrateOpts.Schema]). A missing Opts.Schema is created first,
 // under the lock (River's own migrator would fail on it), as pgidem's migrations.Up does.
 // Safe for concurrent use:
 // concurrent calls, in one process or many, are the case the lock exists for.
@@ -68,9 +72,12 @@ func MigrateRiver(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) (*
 	if opts == nil {
 		opts = &MigrateOpts{}
 	}
-	if len(opts.Schema) > schemaMaxBytes || (opts.Schema != "" && strings.TrimSpace(opts.Schema) == "") {
-		// Postgres would truncate a longer name, so the schema would never be found again.
-		return nil, invalid("MigrateRiver: Opts.Schema %q must be at most %d bytes and not only white space", opts.Schema, schemaMaxBytes)
+	if s := opts.Schema; len(s) > schemaMaxBytes || (s != "" && strings.TrimSpace(s) == "") ||
+		!utf8.ValidString(s) || strings.IndexFunc(s, unicode.IsControl) >= 0 {
+		// Postgres would truncate a longer name, so the schema would never be found again;
+		// the other rules are pgidem's for every schema name (migrations.CheckSchemaName).
+		return nil, invalid("MigrateRiver: Opts.Schema %q must be valid UTF-8 without control characters, "+
+			"at most %d bytes and not only white space", s, schemaMaxBytes)
 	}
 	logger := opts.Logger
 	if logger == nil {
@@ -107,7 +114,7 @@ func MigrateRiver(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) (*
 			// it at this moment: IF NOT EXISTS then fails with a unique violation.
 			_, err := lockConn.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{opts.Schema}.Sanitize())
 			var pgErr *pgconn.PgError
-			if errors.As(err, &pgErr) && pgErr.Code == "23505" {
+			if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UniqueViolation {
 				err = nil
 			}
 			if err != nil {

@@ -124,7 +124,7 @@ func TestMigrateRiverNilPool(t *testing.T) {
 	// A schema Postgres would truncate (so it would never be found again), or only white
 	// space: refused before anything is created.
 	b := setup(t)
-	for _, schema := range []string{strings.Repeat("s", 64), "   "} {
+	for _, schema := range []string{strings.Repeat("s", 64), "   ", "a\x00b", "a\nb", "\xff"} {
 		_, err = pgidemriver.MigrateRiver(b.ctx, b.db.Pool, &pgidemriver.MigrateOpts{Schema: schema})
 		require.ErrorIs(t, err, pgidem.ErrInvalidArgument, "%q", schema)
 	}

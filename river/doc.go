@@ -8,6 +8,12 @@
 // jobs for one order. [Middleware] makes each of those replay the first run's outcome
 // instead of repeating the effect.
 //
+// One River behaviour no middleware changes: on a job's last attempt the rescuer does not
+// re-run a job still running after RescueStuckJobsAfter, it discards it. The first run
+// goes on, and its effect may complete (the record says so), while River shows the job
+// discarded with the rescuer's error. Keep RescueStuckJobsAfter above the longest run a
+// job can take, above all for jobs with few attempts.
+//
 // # Middleware
 //
 // Name the effect in the job args, register the worker through [AddWorker] (so the

@@ -135,9 +135,10 @@ const (
 	// worker again.
 	ActionCancelled Action = "cancelled"
 	// ActionError: the middleware could not decide (invalid key, undecodable args, store
-	// unreachable), or the lease was lost while a worker that succeeded or failed
-	// permanently ran (its outcome is then not stored: the record is the new holder's).
-	// The error, matching [pgidem.ErrLeaseLost] in that case, was returned to River, which
+	// unreachable), or the lease was lost while the worker ran: it succeeded, failed
+	// permanently, or stopped with an error after pgidem cancelled its context (its outcome
+	// is then not stored: the record is the new holder's). The error, matching
+	// [pgidem.ErrLeaseLost] in that case (and wrapping the worker's), was returned to River, which
 	// retries the job and replays or waits for the new holder's outcome — unless the
 	// worker's own river.JobSnooze or river.JobCancel error, which passes through
 	// unchanged, says otherwise.
@@ -637,6 +638,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	defer timer.Stop()
 
 	ran, succeeded := false, false // the worker started; it returned nil
+	lostWhileWorking := false      // pgidem cancelled the worker's context: the lease was lost
 	opts := &pgidem.DoOpts{InFlight: m.config.InFlight, WaitTimeout: m.config.WaitTimeout, ReserveFirst: true}
 	var workerErr error // the worker's own error, as it returned it
 	res, err := pgidem.DoResult(reserveCtx, m.coord, out.Namespace, out.Key, ttl, opts,
@@ -653,6 +655,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 			workCtx = context.WithValue(workCtx, handledJobKey{}, job.ID)
 			if err := doInner(workCtx); err != nil {
 				workerErr = err
+				lostWhileWorking = errors.Is(context.Cause(fnCtx), pgidem.ErrLeaseLost)
 				return effectRecord{}, err
 			}
 			succeeded = true
@@ -727,6 +730,11 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		// stands either way, so River does not retry this job.
 		out.Action = ActionCancelled
 		out.RecordNotCompleted = notStored != nil
+		if !ran {
+			// Say in River's errors column that this job only replayed the failure.
+			err = fmt.Errorf("pgidemriver: job %d (%s): replayed the failure an earlier execution stored for %s/%s: %w",
+				job.ID, job.Kind, out.Namespace, out.Key, err)
+		}
 		return river.JobCancel(err)
 	case succeeded && !errors.Is(err, pgidem.ErrLeaseLost):
 		// The worker succeeded and its effect ran, but the store kept failing, so its
@@ -748,6 +756,14 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		// waits for that holder's outcome. The error makes the anomaly visible on the job.
 		out.Action = ActionError
 		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
+	case ran && lostWhileWorking:
+		// The worker stopped because pgidem cancelled its context on a lost lease (it
+		// returned ctx's error, most likely): say so, or River's errors column would show a
+		// bare "context canceled" for what may be an effect run twice. Nothing was released:
+		// the record is the new holder's.
+		out.Action = ActionError
+		return fmt.Errorf("pgidemriver: job %d (%s): the worker stopped after its reservation's lease was lost (%w); it returned: %w",
+			job.ID, job.Kind, pgidem.ErrLeaseLost, err)
 	case ran:
 		out.Action = ActionReleased
 		return err // the worker's error, unchanged

@@ -600,6 +600,16 @@ func TestJobCancelWrappingPermanent(t *testing.T) {
 	rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-3.invoice")
 	require.NoError(t, err)
 	require.Equal(t, pgidem.StatusFailed, rec.Status)
+
+	// A later job with the key replays the failure, cancelled too, and its error says it
+	// replayed (River's errors column used to read the same as the first job's).
+	err = mw.Work(b.ctx, jobRow(2, "mail.invoice", `{"order_id":3}`), func(context.Context) error {
+		t.Error("the worker ran on a replay")
+		return nil
+	})
+	require.ErrorAs(t, err, &cancel)
+	require.ErrorIs(t, err, pgidem.ErrPermanent)
+	require.ErrorContains(t, err, "replayed the failure an earlier execution stored for mail.invoice/order-3.invoice: declined")
 }
 
 // PtrTTLArgs implement TTLArgs (and KeyArgs) with pointer receivers.
@@ -788,4 +798,39 @@ func TestWorkerErrorCarryingReplayedFailureReleases(t *testing.T) {
 		require.ErrorIs(t, err, pgidem.ErrNotFound, "case %d: released", i)
 	}
 	require.Zero(t, mw.Stats().Cancelled)
+}
+
+// A worker that stops on its cancelled context after the lease was lost (returning
+// ctx.Err(), as most workers do) fails its job with an error naming the lost lease, and
+// the outcome is an error, not a release. River's errors column used to show a bare
+// "context canceled", and the outcome counted as an ordinary release.
+func TestLeaseLostWorkerReturnsContextError(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.invoiceMiddleware(t, nil)
+	running := make(chan struct{})
+	errCh := make(chan error, 1)
+	go func() {
+		errCh <- mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":8}`), func(ctx context.Context) error {
+			close(running)
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(15 * testLease): // failure cap, not a timing assertion
+				return errors.New("never cancelled")
+			}
+		})
+	}()
+	<-running
+	tag, err := b.db.Pool.Exec(b.ctx, `UPDATE pgidem_record SET owner = gen_random_uuid()
+		WHERE namespace = 'mail.invoice' AND key = 'order-8.invoice' AND status = 'in_progress'`)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, tag.RowsAffected())
+
+	err = <-errCh
+	require.ErrorIs(t, err, pgidem.ErrLeaseLost)
+	require.ErrorIs(t, err, context.Canceled)
+	require.ErrorContains(t, err, "lease was lost")
+	outs.waitFor(t, pgidemriver.ActionError)
+	require.Zero(t, mw.Stats().Released)
 }

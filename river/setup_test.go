@@ -1,6 +1,7 @@
 package pgidemriver_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
@@ -304,4 +305,23 @@ func (b *bundle) invoiceMiddleware(t *testing.T, config *pgidemriver.Config) (*p
 	mw, outs := b.newMiddleware(t, config)
 	mw.Register(InvoiceArgs{})
 	return mw, outs
+}
+
+// syncBuffer is a bytes.Buffer safe for the concurrent writes of a logger shared with a
+// River client's goroutines.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }

@@ -52,8 +52,9 @@ type SweepConfig struct {
 	// no "no timeout" setting: River's -1 (run without a timeout) and any other negative
 	// value are rejected by [NewSweepWorker], because a sweep is always safe to cut short.
 	Timeout time.Duration
-	// Logger receives a line per sweep that deleted something (info) and per failure
-	// (error). Default: the coordinator's logger.
+	// Logger receives a line per sweep that deleted something (info), per sweep stopped by
+	// its timeout or its job's cancellation (info), and per failure (error). Default: the
+	// coordinator's logger.
 	Logger *slog.Logger
 }
 
@@ -106,7 +107,9 @@ func (w *SweepWorker) Timeout(*river.Job[SweepArgs]) time.Duration { return w.co
 
 // Work sweeps until no expired row is left, or until the job's timeout: a sweep cut short
 // by its timeout returns nil (what it deleted stays deleted, the next period continues). A
-// database error is returned, and River retries the job.
+// sweep whose job was cancelled (the client stopping with StopAndCancel) returns the
+// context's error, logged at info: River puts the job back. A database error is returned,
+// logged at error, and River retries the job.
 func (w *SweepWorker) Work(ctx context.Context, job *river.Job[SweepArgs]) error {
 	pause := max(w.config.Pause, 0)
 	res, err := w.coord.Sweep(ctx, &pgidem.SweepOpts{BatchSize: w.config.BatchSize, Pause: pause})
@@ -126,6 +129,11 @@ func (w *SweepWorker) Work(ctx context.Context, job *river.Job[SweepArgs]) error
 	case errors.Is(err, context.DeadlineExceeded) && ctx.Err() != nil:
 		w.config.Logger.InfoContext(ctx, "pgidemriver: sweep stopped at its timeout; the next run continues", attrs...)
 		return nil
+	case errors.Is(err, context.Canceled) && ctx.Err() != nil:
+		// The client is stopping (StopAndCancel) or the job was cancelled: routine, and
+		// River handles the returned context error itself.
+		w.config.Logger.InfoContext(ctx, "pgidemriver: sweep stopped: its job was cancelled; the next run continues", attrs...)
+		return fmt.Errorf("pgidemriver: sweep: %w", err)
 	default:
 		w.config.Logger.ErrorContext(ctx, "pgidemriver: sweep failed", append(attrs, slog.String("error", err.Error()))...)
 		return fmt.Errorf("pgidemriver: sweep: %w", err)

@@ -1,8 +1,10 @@
 package pgidemriver_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"log/slog"
 	"sync"
 	"testing"
 	"time"
@@ -171,4 +173,20 @@ func TestSweepSettingsValidated(t *testing.T) {
 	}
 	_, err := pgidemriver.NewSweepWorker(nil, nil)
 	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+}
+
+// A sweep whose job is cancelled (the client stopping with StopAndCancel) is routine: it
+// is logged at info, not error, and returns the context's error for River to handle.
+func TestSweepCancelledIsNotAnError(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var logs bytes.Buffer
+	sweeper, err := pgidemriver.NewSweepWorker(b.coord, &pgidemriver.SweepConfig{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(b.ctx)
+	cancel()
+	err = sweeper.Work(ctx, &river.Job[pgidemriver.SweepArgs]{JobRow: &rivertype.JobRow{ID: 1, Kind: pgidemriver.SweepKind}})
+	require.ErrorIs(t, err, context.Canceled)
+	require.NotContains(t, logs.String(), "level=ERROR")
+	require.Contains(t, logs.String(), "sweep stopped: its job was cancelled")
 }

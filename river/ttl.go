@@ -78,8 +78,10 @@ type TTLWarning struct {
 // The horizon is deliberately conservative: it assumes the effect completed in the first
 // attempt, River lost that completion, and every later attempt failed. With River's
 // defaults (1 h to rescue, 25 attempts over about 3 weeks, 7 days of discarded retention)
-// it is about a month, longer than [TTLDefault]: give effect jobs fewer attempts, a longer
-// TTL ([TTLArgs], [Config.TTL]), or shorter retention periods. Even one attempt with
+// it is about a month, longer than [TTLDefault]: give effect jobs fewer attempts (with
+// RescueStuckJobsAfter above their longest run: on the last attempt River's rescuer
+// discards a job still running, see the package docs), a longer TTL ([TTLArgs],
+// [Config.TTL]), or shorter retention periods. Even one attempt with
 // River's default retention (24 h for completed jobs) needs a TTL above 25 h. A worker
 // that overrides NextRetry is not seen.
 func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []TTLWarning {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"strings"
 	"testing"
 	"time"
 
@@ -173,6 +174,19 @@ func TestNewClientChecksTTL(t *testing.T) {
 	require.NotNil(t, client)
 	require.Contains(t, logs.String(), "record TTL is shorter than River's redelivery horizon")
 	require.Contains(t, logs.String(), "job_kind=mail.invoice")
+
+	// Installed as a plugin (River's preferred field) or through the deprecated
+	// WorkerMiddleware: checked too, once each even when listed twice. It used to be
+	// checked only in Middleware.
+	for _, config := range []*river.Config{
+		{Plugins: []rivertype.Plugin{mw, mw}},
+		{WorkerMiddleware: []rivertype.WorkerMiddleware{mw}}, // the deprecated field, on purpose
+	} {
+		logs.Reset()
+		_, err := pgidemriver.NewClient(riverpgxv5.New(pool), config)
+		require.NoError(t, err)
+		require.Equal(t, 1, strings.Count(logs.String(), "job_kind=mail.invoice"), logs.String())
+	}
 }
 
 // Register says at once when a kind's TTLArgs TTL is one the coordinator refuses, rather

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -94,9 +95,11 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 //   - the job is no longer running when WorkTx completes it (River's rescuer made it
 //     retryable or discarded it meanwhile; river.JobCompleteTx then changes nothing): an
 //     error matching [ErrJobNotRunning]. (A job cancelled with River's JobCancel while it
-//     runs has its context cancelled instead, and WorkTx returns the context's error.) Roll back, or the effect
-//     commits without the completion; wherever River runs the job next, the effect runs
-//     there.
+//     runs has its context cancelled instead, and WorkTx returns the context's error.)
+//     Roll back, or the effect commits without the completion; wherever River runs the
+//     job next, the effect runs there. A discarded job (the rescuer, on its last attempt)
+//     is not run again, and River drops this error: WorkTx logs it at error on the
+//     coordinator's logger.
 //   - a database error: a [*pgidem.StoreError]; a failed job completion: an error prefixed
 //     "pgidemriver: ". River retries.
 //   - a nil coordinator, tx or job: an error matching [pgidem.ErrInvalidArgument], and
@@ -159,6 +162,14 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 		// River leaves a job that is no longer running as it is and returns it without an
 		// error: the rescuer made it retryable or discarded it meanwhile. Committing would
 		// keep the effect without the completion.
+		if completed.State != rivertype.JobStateRetryable && completed.State != rivertype.JobStateAvailable {
+			// Discarded (the rescuer, on the last attempt) or cancelled: River runs it no
+			// more and drops this error, so only the log can tell that its effect is
+			// rolled back and will not run unless the job is retried by hand.
+			c.Config().Logger.ErrorContext(ctx, "pgidemriver: WorkTx: job is no longer running and will not run again; its effect is rolled back",
+				slog.Int64("job_id", job.ID), slog.String("job_kind", job.Kind), slog.String("state", string(completed.State)),
+				slog.String("namespace", namespace), slog.String("key", key))
+		}
 		return res, false, fmt.Errorf("pgidemriver: WorkTx: job %d is %s, no longer running; roll back: %w",
 			job.ID, completed.State, ErrJobNotRunning)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"testing"
 	"time"
 
@@ -167,8 +168,11 @@ func testWorkTxJobNoLongerRunning(t *testing.T, begin func(b *bundle) func(conte
 	_, err := b.db.Pool.Exec(b.ctx, shipmentsSchema)
 	require.NoError(t, err)
 	errs := make(chan error, 1)
+	var logs syncBuffer
+	coord, err := pgidem.NewCoordinator(b.db.Pool, &pgidem.Config{Lease: testLease, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	require.NoError(t, err)
 	workers := river.NewWorkers()
-	river.AddWorker(workers, &shipWorker{coord: b.coord, begin: begin(b), errs: errs, inTx: func(ctx context.Context, jobID int64) {
+	river.AddWorker(workers, &shipWorker{coord: coord, begin: begin(b), errs: errs, inTx: func(ctx context.Context, jobID int64) {
 		_, err := b.db.Pool.Exec(ctx, "UPDATE river_job SET state = 'discarded', finalized_at = now() WHERE id = $1", jobID)
 		require.NoError(t, err)
 	}})
@@ -185,6 +189,9 @@ func testWorkTxJobNoLongerRunning(t *testing.T, begin func(b *bundle) func(conte
 	require.Zero(t, shipments, "the shipment rolled back")
 	require.False(t, record, "no record")
 	require.Equal(t, rivertype.JobStateDiscarded, state)
+	// River drops the error of a job it no longer runs: the log is where this shows.
+	require.Contains(t, logs.String(), "level=ERROR")
+	require.Contains(t, logs.String(), "will not run again")
 }
 
 // WorkInTx keeps a fresh permanent failure although fn's error wraps pgidem errors of its

@@ -106,10 +106,10 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 //     later calls replay it, decoded into T. Zero values, nil pointers, empty slices and
 //     null are stored as such. A stored value that no longer decodes into T (a result
 //     type changed between deploys, two call sites share a key with different types)
-//     replays as an error matching [ErrReplayNotDecodable], and fn does not run. Two
-//     limits come from JSON itself: a json.RawMessage replays
-//     as the same JSON value in jsonb's normal form, and numbers inside an any decode as
-//     float64. A value that cannot be stored exactly (a channel, NaN, a string with NUL or
+//     replays as an error matching [ErrReplayNotDecodable], and fn does not run. Three
+//     limits come from JSON and jsonb: a json.RawMessage replays as the same JSON value in
+//     jsonb's normal form, numbers inside an any decode as float64, and a negative zero
+//     replays as 0 (jsonb's numeric has no sign on zero). A value that cannot be stored exactly (a channel, NaN, a string with NUL or
 //     invalid UTF-8, more than [Config.MaxValueBytes] of JSON, nesting deeper than 10000)
 //     is returned with an error matching [ErrResultNotStorable]; the record is completed
 //     without it, so the effect is not repeated.
@@ -142,7 +142,11 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // and fn is not run, unless [Config.FailOpen] is set. Cancelling ctx before fn runs
 // returns ctx.Err() and leaves no reservation behind (one made while ctx ended is released
 // at once; a reserving statement already sent finishes first, within
-// [Config.FinishTimeout]). Safe for concurrent use.
+// [Config.FinishTimeout]). The reserving statement waits for a pool connection on that
+// detached context too, so with every connection of the pool in use (a pool smaller than
+// the calls holding one, such as handlers inside [Coordinator.InboxHandle] or [DoInTx]
+// calling Do) a call can outlast ctx's deadline by up to two FinishTimeouts and then
+// returns a [*StoreError]: size the pool for the calls in flight. Safe for concurrent use.
 func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context) (T, error)) (Result[T], error) {
 	var res Result[T]
 	if c == nil || fn == nil {
@@ -150,7 +154,7 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 	}
 	call, err := c.newCall(namespace, key, ttl, opts)
 	if err == nil {
-		err = checkNotHeld(ctx, "Do", namespace, key)
+		err = checkNotHeld(ctx, "Do", c.config.Schema, namespace, key, false)
 	}
 	if err != nil {
 		c.emitInvalid(ctx, namespace)
@@ -170,7 +174,7 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 				slog.String("namespace", namespace), slog.String("key", key), slog.String("error", err.Error()))
 			c.emit(ctx, EventFailOpen, namespace, 1)
 			res.FailedOpen = true
-			res.Value, err = fn(withKey(ctx, namespace, key))
+			res.Value, err = fn(withKey(ctx, c.config.Schema, namespace, key, false))
 			return res, err
 		}
 		return res, err
@@ -663,7 +667,7 @@ func decodeReplay[T any](cl *call, r row, value *T) error {
 // matches no row proves it. Completing a record that nobody took over is what keeps the
 // effect from running again.
 func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, leaseFrom time.Time, fn func(context.Context) error, encode func() ([]byte, error)) error {
-	fnCtx, cancel := context.WithCancelCause(withKey(ctx, cl.namespace, cl.key))
+	fnCtx, cancel := context.WithCancelCause(withKey(ctx, c.config.Schema, cl.namespace, cl.key, false))
 	defer cancel(nil)
 	hb := c.startHeartbeat(ctx, cl, owner, leaseFrom, cancel)
 	defer hb.stop()

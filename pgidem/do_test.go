@@ -1134,3 +1134,21 @@ func TestReplayNotDecodable(t *testing.T) {
 	})
 	require.ErrorIs(t, err, pgidem.ErrReplayNotDecodable)
 }
+
+// A PermanentError made without an error (a literal, or a typed nil) is stored as a
+// permanent failure like any other; pgidem used to panic on it after fn returned and
+// leave the record in progress until its lease ended.
+func TestPermanentErrorWithoutErr(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var typedNil *pgidem.PermanentError
+	for i, perr := range []error{&pgidem.PermanentError{}, typedNil} {
+		key := fmt.Sprintf("k%d", i)
+		_, err := pgidem.Do(b.ctx, b.coord, "perm", key, testTTL, nil, func(context.Context) (int, error) { return 0, perr })
+		require.ErrorIs(t, err, pgidem.ErrPermanent, "case %d", i)
+		require.Equal(t, pgidem.StatusFailed, b.lookup(t, "perm", key).Status, "case %d", i)
+		_, err = pgidem.DoInTx(b.ctx, b.coord, "perm-tx", key, testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 0, perr })
+		require.ErrorIs(t, err, pgidem.ErrPermanent, "case %d", i)
+		require.Equal(t, pgidem.StatusFailed, b.lookup(t, "perm-tx", key).Status, "case %d", i)
+	}
+}

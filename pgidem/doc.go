@@ -60,9 +60,9 @@
 // (opt into [Config.FailOpen] to run it unprotected). Replays return what fn returned as
 // it comes back through JSON (encoding/json into T): zero values, nil pointers, empty
 // slices and null are results, but unexported fields and anything json ignores are not
-// kept, and numbers in an any come back as float64. A stored failure replays as a
-// [*StoredFailureError] carrying its message only, not fn's error value: match it with
-// [ErrPermanent], not with errors.As on your own error type.
+// kept, numbers in an any come back as float64, and -0 comes back as 0. A stored failure
+// replays as a [*StoredFailureError] carrying its message only, not fn's error value:
+// match it with [ErrPermanent], not with errors.As on your own error type.
 //
 // # Database effects: DoTx and the inbox
 //

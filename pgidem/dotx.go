@@ -253,7 +253,7 @@ func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace
 	}
 	cl, err := c.newCall(namespace, key, ttl, opts)
 	if err == nil {
-		err = checkNotHeld(ctx, "DoTx", namespace, key)
+		err = checkNotHeld(ctx, "DoTx", c.config.Schema, namespace, key, false)
 	}
 	if err != nil {
 		c.emitInvalid(ctx, namespace)
@@ -288,7 +288,7 @@ func DoInTxResult[T any](ctx context.Context, c *Coordinator, namespace, key str
 	}
 	cl, err := c.newCall(namespace, key, ttl, opts)
 	if err == nil {
-		err = checkNotHeld(ctx, "DoInTx", namespace, key)
+		err = checkNotHeld(ctx, "DoInTx", c.config.Schema, namespace, key, false)
 	}
 	if err != nil {
 		c.emitInvalid(ctx, namespace)
@@ -613,7 +613,7 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 	}()
 
 	c.emit(ctx, EventExecuted, cl.namespace, 1)
-	value, fnErr := fn(withKey(ctx, cl.namespace, cl.key), sp)
+	value, fnErr := fn(withKey(ctx, c.config.Schema, cl.namespace, cl.key, false), sp)
 	if fnErr != nil {
 		var permanent *PermanentError
 		if !errors.As(fnErr, &permanent) {

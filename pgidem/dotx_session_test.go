@@ -135,3 +135,45 @@ func TestDoTxWaitForDoKeepsTxAlive(t *testing.T) {
 	require.Equal(t, "from-do", res.Value)
 	requireUsable(t, b.ctx, tx)
 }
+
+// InboxHandle for a message from within the fn handling that message is refused at once;
+// it used to wait for its own uncommitted inbox row until ctx ended (for ever without a
+// deadline). Another message, and a Do inside fn, are fine; KeyFromContext inside the
+// handler still reports only record keys.
+func TestInboxHandleNestedSameMessage(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	ctx, cancel := context.WithTimeout(b.ctx, time.Minute) // failure cap for the old hang
+	defer cancel()
+	inner := 0
+	handled, err := b.coord.InboxHandle(ctx, "billing", "m1", nil, func(ctx context.Context, _ pgx.Tx) error {
+		_, _, ok := pgidem.KeyFromContext(ctx)
+		require.False(t, ok, "an inbox message is not a record key")
+		_, err := b.coord.InboxHandle(ctx, "billing", "m1", nil, func(context.Context, pgx.Tx) error { inner++; return nil })
+		require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+		ok2, err := b.coord.InboxHandle(ctx, "billing", "m2", nil, func(context.Context, pgx.Tx) error { inner++; return nil })
+		require.NoError(t, err)
+		require.True(t, ok2)
+		return nil
+	})
+	require.NoError(t, err)
+	require.True(t, handled)
+	require.Equal(t, 1, inner)
+}
+
+// Coordinators on different schemas hold different records: a call for the same
+// namespace and key on another schema's coordinator from within fn is allowed (the guard
+// used to compare namespace and key only).
+func TestHeldKeyGuardIsPerSchema(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	_, err := b.db.Pool.Exec(b.ctx, `CREATE SCHEMA tenant2;
+		CREATE TABLE tenant2.pgidem_record (LIKE public.pgidem_record INCLUDING ALL)`)
+	require.NoError(t, err)
+	other := b.newCoord(t, &pgidem.Config{Schema: "tenant2"})
+	v, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (int, error) {
+		return pgidem.Do(ctx, other, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 7, nil })
+	})
+	require.NoError(t, err)
+	require.Equal(t, 7, v)
+}

@@ -88,8 +88,8 @@ var (
 	// transaction or fn (including [Coordinator.InboxHandle]'s fn and
 	// [Coordinator.InboxRecordTx]'s transaction), a [DoOpts] field other than Lease (an
 	// [*InvalidTTLError]) or a [SweepOpts] field out of range, a read-only transaction
-	// given to [DoTx] (which must write the record), or a call for a key from within the
-	// fn of a call that holds it. The error's message names the field (or, for a held
+	// given to [DoTx] (which must write the record), or a call for a key (an inbox message,
+	// for [Coordinator.InboxHandle]) from within the fn of a call that holds it. The error's message names the field (or, for a held
 	// key, the key). fn is not run.
 	ErrInvalidArgument = errors.New("pgidem: invalid argument")
 )
@@ -311,11 +311,22 @@ func Permanent(err error) error {
 	return &PermanentError{Err: err}
 }
 
-// Error returns the original error's message.
-func (e *PermanentError) Error() string { return e.Err.Error() }
+// Error returns the original error's message; for a PermanentError made without one (a
+// literal, or a nil *PermanentError), "pgidem: permanent failure".
+func (e *PermanentError) Error() string {
+	if e == nil || e.Err == nil {
+		return ErrPermanent.Error()
+	}
+	return e.Err.Error()
+}
 
 // Unwrap returns the original error.
-func (e *PermanentError) Unwrap() error { return e.Err }
+func (e *PermanentError) Unwrap() error {
+	if e == nil {
+		return nil
+	}
+	return e.Err
+}
 
 // Is reports whether target is [ErrPermanent].
 func (e *PermanentError) Is(target error) bool { return target == ErrPermanent }

@@ -365,7 +365,10 @@ func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op str
 // inbox row alike — and the error is returned (a panic continues), so the redelivery runs
 // fn again. A failed commit returns a [*StoreError] for op "commit". Validation and
 // concurrency are as in InboxRecordTx: a concurrent duplicate waits for the first
-// transaction and then skips, or runs if the first rolled back.
+// transaction and then skips, or runs if the first rolled back. A nil fn, or a call for
+// the message from within the fn handling it (directly or through other calls; it would
+// wait for its own uncommitted row), returns an error matching [ErrInvalidArgument] and
+// runs nothing.
 //
 // fn's writes must go through its tx to be exactly-once; an effect outside the database
 // (a mail) needs [Do] inside fn, keyed by the effect; Do takes a second connection from
@@ -377,6 +380,9 @@ func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID strin
 		return false, invalidArgument("InboxHandle: fn must not be nil")
 	}
 	ic, err := c.newInboxCall(consumer, messageID, opts)
+	if err == nil {
+		err = checkNotHeld(ctx, "InboxHandle", c.config.Schema, consumer, messageID, true)
+	}
 	if err != nil {
 		c.emitInvalid(ctx, consumer)
 		return false, err
@@ -405,7 +411,7 @@ func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID strin
 		_ = tx.Rollback(ctx)
 		return false, nil
 	}
-	if err := fn(ctx, tx); err != nil {
+	if err := fn(withKey(ctx, c.config.Schema, consumer, messageID, true), tx); err != nil {
 		return false, err
 	}
 	ended = true

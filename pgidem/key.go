@@ -38,15 +38,18 @@ func validatePart(field, s string, maxBytes int) error {
 type keyContextKey struct{}
 
 // keyInfo is a key a call holds while its fn runs, linked to the key held by the call
-// whose fn made that call (nil at the outermost).
+// whose fn made that call (nil at the outermost). schema tells the record tables of
+// coordinators apart; an inbox entry holds a message (namespace: the consumer, key: the
+// message id) rather than a record.
 type keyInfo struct {
-	namespace, key string
-	outer          *keyInfo
+	schema, namespace, key string
+	inbox                  bool
+	outer                  *keyInfo
 }
 
-func withKey(ctx context.Context, namespace, key string) context.Context {
+func withKey(ctx context.Context, schema, namespace, key string, inbox bool) context.Context {
 	outer, _ := ctx.Value(keyContextKey{}).(*keyInfo)
-	return context.WithValue(ctx, keyContextKey{}, &keyInfo{namespace, key, outer})
+	return context.WithValue(ctx, keyContextKey{}, &keyInfo{schema, namespace, key, inbox, outer})
 }
 
 // KeyFromContext returns the namespace and idempotency key of the reservation fn runs
@@ -55,22 +58,28 @@ func withKey(ctx context.Context, namespace, key string) context.Context {
 // is the only crash-safe boundary for a foreign effect, and reusing the same key there makes
 // a takeover's second run harmless.
 func KeyFromContext(ctx context.Context) (namespace, key string, ok bool) {
-	info, ok := ctx.Value(keyContextKey{}).(*keyInfo)
-	if !ok {
-		return "", "", false
-	}
-	return info.namespace, info.key, true
-}
-
-// checkNotHeld refuses a call for (namespace, key) made from within the fn of a call that
-// holds that same key, directly or through calls for other keys in between (A's fn calls
-// B, whose fn calls A): the inner call would wait for the outer one, which waits for it,
-// or (DoTx in the same transaction, whose lock is re-entrant) find no record yet and run
-// fn again and again.
-func checkNotHeld(ctx context.Context, op, namespace, key string) error {
 	info, _ := ctx.Value(keyContextKey{}).(*keyInfo)
 	for ; info != nil; info = info.outer {
-		if info.namespace == namespace && info.key == key {
+		if !info.inbox {
+			return info.namespace, info.key, true
+		}
+	}
+	return "", "", false
+}
+
+// checkNotHeld refuses a call for (namespace, key) of the schema's records (or, with
+// inbox, for the consumer's message) made from within the fn of a call that holds that
+// same key, directly or through calls for other keys in between (A's fn calls B, whose
+// fn calls A): the inner call would wait for the outer one, which waits for it, or (DoTx
+// in the same transaction, whose lock is re-entrant) find no record yet and run fn again
+// and again. Coordinators on other schemas hold other records.
+func checkNotHeld(ctx context.Context, op, schema, namespace, key string, inbox bool) error {
+	info, _ := ctx.Value(keyContextKey{}).(*keyInfo)
+	for ; info != nil; info = info.outer {
+		if info.schema == schema && info.namespace == namespace && info.key == key && info.inbox == inbox {
+			if inbox {
+				return invalidArgument("%s: consumer %q message %q is handled from within the fn handling it", op, namespace, key)
+			}
 			return invalidArgument("%s: %s/%s is called from within the fn of a call holding that key", op, namespace, key)
 		}
 	}

@@ -617,6 +617,12 @@ func (l *checkingLocker) SessionLock(ctx context.Context, conn *sql.Conn) error 
 	if err := l.SessionLocker.SessionLock(ctx, conn); err != nil {
 		return err
 	}
+	defer func() {
+		if p := recover(); p != nil { // goose will not unlock a lock it was not given
+			_ = l.SessionLocker.SessionUnlock(context.WithoutCancel(ctx), conn)
+			panic(p)
+		}
+	}()
 	if err := l.check(ctx, conn); err != nil {
 		l.err = err
 		if uerr := l.SessionLocker.SessionUnlock(context.WithoutCancel(ctx), conn); uerr != nil {

@@ -71,6 +71,14 @@ type Result[T any] struct {
 	TookOver bool
 	// FailedOpen is true when fn ran unprotected because the store was unreachable.
 	FailedOpen bool
+	// LeaseLost is true when fn ran and the write that followed it (completing, storing a
+	// permanent failure, or releasing after fn's error) found the reservation taken over by
+	// another holder: fn's outcome was not written, and the effect may have run more than
+	// once. The error says so too, except after fn's own ordinary error, which is returned
+	// unchanged: then this is the only sign. (fn's context is cancelled with cause
+	// [ErrLeaseLost] as soon as renewals stall, before this is known; that alone does not
+	// set it.)
+	LeaseLost bool
 }
 
 // Do runs fn at most once per (namespace, key) within ttl and returns its value; later
@@ -196,6 +204,7 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 		return err
 	}, func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
 	res.Value = value
+	res.LeaseLost = call.lost
 	return res, fnErr
 }
 
@@ -207,6 +216,8 @@ type call struct {
 	policy         InFlightPolicy
 	fingerprint    []byte
 	reserveFirst   bool
+	// lost is set when the finishing write found the reservation taken over.
+	lost bool
 }
 
 func (c *Coordinator) newCall(namespace, key string, ttl time.Duration, opts *DoOpts) (*call, error) {
@@ -844,6 +855,7 @@ func checkJSON(b []byte, maxBytes int) (replacement bool, err error) {
 }
 
 func (c *Coordinator) leaseLost(ctx context.Context, cl *call) {
+	cl.lost = true
 	c.config.Logger.ErrorContext(ctx, "pgidem: lease lost; the reservation was taken over and the effect may have run more than once",
 		slog.String("namespace", cl.namespace), slog.String("key", cl.key))
 	c.emit(ctx, EventLeaseLost, cl.namespace, 1)

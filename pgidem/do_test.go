@@ -1152,3 +1152,22 @@ func TestPermanentErrorWithoutErr(t *testing.T) {
 		require.Equal(t, pgidem.StatusFailed, b.lookup(t, "perm-tx", key).Status, "case %d", i)
 	}
 }
+
+// Result.LeaseLost tells that the write after fn found the reservation taken over, also
+// when fn's own error is returned unchanged (the release found no row of its own).
+func TestResultLeaseLost(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	boom := errors.New("boom")
+	res, err := pgidem.DoResult(b.ctx, b.coord, "lost", "k", testTTL, nil, func(context.Context) (int, error) {
+		_, err := b.db.Pool.Exec(b.ctx, `UPDATE pgidem_record SET owner = gen_random_uuid() WHERE namespace = 'lost' AND key = 'k'`)
+		require.NoError(t, err)
+		return 0, boom
+	})
+	require.Equal(t, boom, err, "fn's error, unchanged")
+	require.True(t, res.LeaseLost)
+
+	res, err = pgidem.DoResult(b.ctx, b.coord, "lost", "k2", testTTL, nil, func(context.Context) (int, error) { return 0, boom })
+	require.Equal(t, boom, err)
+	require.False(t, res.LeaseLost, "released normally")
+}

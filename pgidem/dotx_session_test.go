@@ -161,19 +161,31 @@ func TestInboxHandleNestedSameMessage(t *testing.T) {
 	require.Equal(t, 1, inner)
 }
 
-// Coordinators on different schemas hold different records: a call for the same
-// namespace and key on another schema's coordinator from within fn is allowed (the guard
-// used to compare namespace and key only).
+// Coordinators on two different named schemas hold different records: a call for the
+// same namespace and key on the other's coordinator from within fn is allowed (the guard
+// used to compare namespace and key only). The default schema ("", the search_path's) may
+// be any named one, so "" beside "public" is still refused: that nesting waits for itself.
 func TestHeldKeyGuardIsPerSchema(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	_, err := b.db.Pool.Exec(b.ctx, `CREATE SCHEMA tenant2;
 		CREATE TABLE tenant2.pgidem_record (LIKE public.pgidem_record INCLUDING ALL)`)
 	require.NoError(t, err)
-	other := b.newCoord(t, &pgidem.Config{Schema: "tenant2"})
-	v, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (int, error) {
-		return pgidem.Do(ctx, other, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 7, nil })
+	public := b.newCoord(t, &pgidem.Config{Schema: "public"})
+	tenant2 := b.newCoord(t, &pgidem.Config{Schema: "tenant2"})
+	v, err := pgidem.Do(b.ctx, public, "mail", "k", testTTL, nil, func(ctx context.Context) (int, error) {
+		return pgidem.Do(ctx, tenant2, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 7, nil })
 	})
 	require.NoError(t, err)
 	require.Equal(t, 7, v)
+
+	_, err = pgidem.Do(b.ctx, b.coord, "mail", "k2", testTTL, nil, func(ctx context.Context) (int, error) {
+		return pgidem.Do(ctx, public, "mail", "k2", testTTL, nil, func(context.Context) (int, error) { return 7, nil })
+	})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	_, err = b.coord.InboxHandle(b.ctx, "c", "m", nil, func(ctx context.Context, _ pgx.Tx) error {
+		_, err := public.InboxHandle(ctx, "c", "m", nil, func(context.Context, pgx.Tx) error { return nil })
+		return err
+	})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 }

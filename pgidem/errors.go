@@ -34,9 +34,11 @@ var (
 
 	// ErrLeaseLost means the caller's reservation was taken over by another caller after
 	// its lease expired (or the record was forgotten by hand), so its writes were refused.
-	// It is the cancellation cause of fn's context when the heartbeat finds the record no
-	// longer owned, and it is returned together with fn's value when the finishing write
-	// finds the record taken: the effect may then have run twice.
+	// It is the cancellation cause of fn's context when renewals stall until the lease has
+	// nearly run out, or find the record no longer owned (the first does not prove a
+	// takeover: the write after fn decides, [Result.LeaseLost]). It is returned together
+	// with fn's value when the finishing write finds the record taken: the effect may then
+	// have run twice.
 	ErrLeaseLost = errors.New("pgidem: lease lost")
 
 	// ErrStoreUnavailable wraps a database error: the store could not be reached or a

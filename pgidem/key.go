@@ -72,11 +72,15 @@ func KeyFromContext(ctx context.Context) (namespace, key string, ok bool) {
 // same key, directly or through calls for other keys in between (A's fn calls B, whose
 // fn calls A): the inner call would wait for the outer one, which waits for it, or (DoTx
 // in the same transaction, whose lock is re-entrant) find no record yet and run fn again
-// and again. Coordinators on other schemas hold other records.
+// and again. Only coordinators known to use different schemas (both named, and
+// different) are taken to hold different records: "" is the search_path's schema, which
+// may be any named one, and coordinators on different databases are not told apart, so
+// the guard refuses rather than risk a call waiting for itself.
 func checkNotHeld(ctx context.Context, op, schema, namespace, key string, inbox bool) error {
 	info, _ := ctx.Value(keyContextKey{}).(*keyInfo)
 	for ; info != nil; info = info.outer {
-		if info.schema == schema && info.namespace == namespace && info.key == key && info.inbox == inbox {
+		sameSchema := info.schema == schema || info.schema == "" || schema == ""
+		if sameSchema && info.namespace == namespace && info.key == key && info.inbox == inbox {
 			if inbox {
 				return invalidArgument("%s: consumer %q message %q is handled from within the fn handling it", op, namespace, key)
 			}

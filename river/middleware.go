@@ -334,8 +334,10 @@ type Stats struct {
 //  4. Worker returns nil: the record completes (when it cannot, the job completes all the
 //     same: [Outcome.RecordNotCompleted]). Worker returns an error: the record is
 //     released and the error returned unchanged (snooze and cancel errors included), so
-//     River retries. A [pgidem.Permanent] error is stored and the job cancelled. The
-//     heartbeat finding the lease lost cancels the worker's context with cause
+//     River retries; when the release finds the record taken over, the error is wrapped
+//     in one matching [pgidem.ErrLeaseLost] ([ActionError]). A [pgidem.Permanent] error is
+//     stored and the job cancelled. Renewals that stall (the heartbeat cannot reach the
+//     record before the lease runs out) cancel the worker's context with cause
 //     [pgidem.ErrLeaseLost], however long the worker has run.
 //
 // It is safe for concurrent use and may serve several clients.
@@ -514,7 +516,8 @@ func (m *Middleware) kind(kind string) *kindInfo {
 
 // Work implements [rivertype.WorkerMiddleware]; River calls it for every execution of a job.
 // See [Middleware] for what it does. The error it returns is the worker's, unchanged, when
-// the worker ran and failed; river.JobSnooze when another execution holds the key; a
+// the worker ran and failed (wrapped in one matching [pgidem.ErrLeaseLost] when the record
+// was then found taken over); river.JobSnooze when another execution holds the key; a
 // river.JobCancel wrapping a stored permanent failure; otherwise an error prefixed
 // "pgidemriver: " wrapping pgidem's ([pgidem.ErrInvalidKey], [pgidem.ErrStoreUnavailable],
 // [pgidem.ErrLeaseLost], a context error — context.DeadlineExceeded when the reservation
@@ -638,7 +641,6 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	defer timer.Stop()
 
 	ran, succeeded := false, false // the worker started; it returned nil
-	lostWhileWorking := false      // pgidem cancelled the worker's context: the lease was lost
 	opts := &pgidem.DoOpts{InFlight: m.config.InFlight, WaitTimeout: m.config.WaitTimeout, ReserveFirst: true}
 	var workerErr error // the worker's own error, as it returned it
 	res, err := pgidem.DoResult(reserveCtx, m.coord, out.Namespace, out.Key, ttl, opts,
@@ -655,7 +657,6 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 			workCtx = context.WithValue(workCtx, handledJobKey{}, job.ID)
 			if err := doInner(workCtx); err != nil {
 				workerErr = err
-				lostWhileWorking = errors.Is(context.Cause(fnCtx), pgidem.ErrLeaseLost)
 				return effectRecord{}, err
 			}
 			succeeded = true
@@ -756,11 +757,11 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		// waits for that holder's outcome. The error makes the anomaly visible on the job.
 		out.Action = ActionError
 		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
-	case ran && lostWhileWorking:
-		// The worker stopped because pgidem cancelled its context on a lost lease (it
-		// returned ctx's error, most likely): say so, or River's errors column would show a
-		// bare "context canceled" for what may be an effect run twice. Nothing was released:
-		// the record is the new holder's.
+	case ran && res.LeaseLost:
+		// The worker failed (most likely with its context's error, which pgidem cancelled
+		// as the lease ran out) and pgidem then found the record taken over: say so, or
+		// River's errors column would show a bare "context canceled" for what may be an
+		// effect run twice. Nothing was released: the record is the new holder's.
 		out.Action = ActionError
 		return fmt.Errorf("pgidemriver: job %d (%s): the worker stopped after its reservation's lease was lost (%w); it returned: %w",
 			job.ID, job.Kind, pgidem.ErrLeaseLost, err)

@@ -808,19 +808,7 @@ func TestLeaseLostWorkerReturnsContextError(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	mw, outs := b.invoiceMiddleware(t, nil)
-	running := make(chan struct{})
-	errCh := make(chan error, 1)
-	go func() {
-		errCh <- mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":8}`), func(ctx context.Context) error {
-			close(running)
-			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case <-time.After(15 * testLease): // failure cap, not a timing assertion
-				return errors.New("never cancelled")
-			}
-		})
-	}()
+	running, _, errCh := workUntilCancelled(b, mw, 8)
 	<-running
 	tag, err := b.db.Pool.Exec(b.ctx, `UPDATE pgidem_record SET owner = gen_random_uuid()
 		WHERE namespace = 'mail.invoice' AND key = 'order-8.invoice' AND status = 'in_progress'`)
@@ -833,4 +821,50 @@ func TestLeaseLostWorkerReturnsContextError(t *testing.T) {
 	require.ErrorContains(t, err, "lease was lost")
 	outs.waitFor(t, pgidemriver.ActionError)
 	require.Zero(t, mw.Stats().Released)
+}
+
+// Renewals that merely stall (a lock on the record, a slow store) cancel the worker with
+// cause pgidem.ErrLeaseLost before anyone took the record over; when the release that
+// follows finds the reservation still this execution's, the worker's error is returned
+// unchanged and the outcome is a release, not a lost lease. (A check of the context's
+// cause used to report a lost lease here.)
+func TestStalledRenewalIsNotALostLease(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.invoiceMiddleware(t, nil)
+	running, cancelled, errCh := workUntilCancelled(b, mw, 12)
+	<-running
+	blocker, err := b.db.Pool.Begin(b.ctx)
+	require.NoError(t, err)
+	_, err = blocker.Exec(b.ctx, `SELECT 1 FROM pgidem_record WHERE namespace = 'mail.invoice' AND key = 'order-12.invoice' FOR UPDATE`)
+	require.NoError(t, err)
+	<-cancelled
+	require.NoError(t, blocker.Rollback(b.ctx)) // the release goes through now
+
+	err = <-errCh
+	require.ErrorIs(t, err, context.Canceled)
+	require.NotErrorIs(t, err, pgidem.ErrLeaseLost)
+	outs.waitFor(t, pgidemriver.ActionReleased)
+	_, err = b.coord.Lookup(b.ctx, "mail.invoice", "order-12.invoice")
+	require.ErrorIs(t, err, pgidem.ErrNotFound, "released")
+}
+
+// workUntilCancelled works a mail.invoice job for orderID whose worker waits for its
+// context to end and returns its error. running closes when the worker starts, cancelled
+// when its context ended; errCh receives Work's error.
+func workUntilCancelled(b *bundle, mw *pgidemriver.Middleware, orderID int) (running, cancelled chan struct{}, errCh chan error) {
+	running, cancelled, errCh = make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	go func() {
+		errCh <- mw.Work(b.ctx, jobRow(1, "mail.invoice", fmt.Sprintf(`{"order_id":%d}`, orderID)), func(ctx context.Context) error {
+			close(running)
+			defer close(cancelled)
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(15 * testLease): // failure cap, not a timing assertion
+				return errors.New("never cancelled")
+			}
+		})
+	}()
+	return running, cancelled, errCh
 }

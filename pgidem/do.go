@@ -699,7 +699,8 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, leas
 	if fnErr != nil {
 		var permanent *PermanentError
 		var err error
-		if errors.As(fnErr, &permanent) {
+		isPermanent := errors.As(fnErr, &permanent) // permanent may be a typed nil
+		if isPermanent {
 			failure, _ := json.Marshal(storedFailure{Message: storableMessage(permanent.Error())})
 			err = c.complete(ctx, cl, owner, StatusFailed, nil, failure)
 		} else {
@@ -712,7 +713,7 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, leas
 			c.leaseLost(ctx, cl)
 			err = fmt.Errorf("%w: %s/%s was taken over", ErrLeaseLost, cl.namespace, cl.key)
 		}
-		if err != nil && permanent != nil {
+		if err != nil && isPermanent {
 			// The caller must not believe the failure will be replayed: a later call takes
 			// the key over once the lease ends and runs fn again.
 			return &FailureNotStoredError{Err: fnErr, Cause: err}

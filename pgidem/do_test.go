@@ -462,7 +462,9 @@ func TestReplayExactValues(t *testing.T) {
 
 func TestFingerprint(t *testing.T) {
 	t.Parallel()
-	const lease = 300 * time.Millisecond
+	// Long enough that a loaded machine's stall never lets the InProgress case take the
+	// holder's record over; no case waits for a lease to end.
+	const lease = 2 * time.Second
 	b := setup(t, &pgidem.Config{Lease: lease, InFlight: pgidem.InFlightRaise})
 	fpA, fpB := &pgidem.DoOpts{Fingerprint: []byte("A")}, &pgidem.DoOpts{Fingerprint: []byte("B")}
 	ok := func(context.Context) (string, error) { return "v", nil }

@@ -136,7 +136,9 @@ func TestWorkTx(t *testing.T) {
 		b.waitRunningFor(t, id, cfg.RescueStuckJobsAfter+200*time.Millisecond)
 		b.startClient(t, cfg)
 		job := b.waitJob(t, id, rivertype.JobStateCompleted)
-		require.Equal(t, 2, job.Attempt)
+		// The crashed attempt counted; a loaded machine may need a third past the short
+		// JobTimeout, which changes nothing below: the shipment is written once.
+		require.GreaterOrEqual(t, job.Attempt, 2)
 		shipments, record, _ = b.shipState(t, id)
 		require.Equal(t, 1, shipments)
 		require.True(t, record)

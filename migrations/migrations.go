@@ -499,8 +499,6 @@ func installed(ctx context.Context, db *sql.DB) (bool, error) {
 
 // Down rolls back the most recently applied pgidem migration, like goose's Down and
 // `pgidem migrate down`; the results hold it, or nothing when no migration is applied.
-// Cancelling ctx stops the wait for the lock or the rollback (its transaction rolls back).
-// Safe for concurrent use: concurrent rollbacks run one after the other.
 // Where pgidem was never installed ([Installed] is false) it does nothing and creates
 // nothing. It holds [LockID] like [Up], and returns the errors of [NewProvider] (a missing
 // Opts.Schema among them). A rollback removes what the migration created, rows included:
@@ -508,7 +506,9 @@ func installed(ctx context.Context, db *sql.DB) (bool, error) {
 // [Reset] rolls back all of them, [DownTo] those above a version. A database at a version
 // newer than this build's latest migration (a newer release migrated it, and a deploy was
 // rolled back) returns an error and rolls back nothing: this build does not have that
-// migration's down part.
+// migration's down part. Cancelling ctx stops the wait for the lock or the rollback (its
+// transaction rolls back). Safe for concurrent use: concurrent rollbacks run one after the
+// other.
 func Down(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, error) {
 	return down(ctx, db, opts, 0, true)
 }
@@ -548,12 +548,6 @@ func down(ctx context.Context, db *sql.DB, opts *Opts, target int64, byOne bool)
 	if opts == nil {
 		opts = &Opts{}
 	}
-	if _, err := newProvider(ctx, db, opts, nil); err != nil { // the checks; creates nothing
-		return nil, err
-	}
-	if ok, err := installed(ctx, db); err != nil || !ok {
-		return nil, err
-	}
 	inner, err := sessionLocker()
 	if err != nil {
 		return nil, err
@@ -566,8 +560,11 @@ func down(ctx context.Context, db *sql.DB, opts *Opts, target int64, byOne bool)
 		}
 		return refuseDataLoss(ctx, conn, plan)
 	}}
-	provider, err := newProvider(ctx, db, opts, locker)
+	provider, err := newProvider(ctx, db, opts, locker) // the checks; creates nothing
 	if err != nil {
+		return nil, err
+	}
+	if ok, err := installed(ctx, db); err != nil || !ok {
 		return nil, err
 	}
 	sources = provider.ListSources()

@@ -76,8 +76,8 @@ type Result[T any] struct {
 	// another holder: fn's outcome was not written, and the effect may have run more than
 	// once. The error says so too, except after fn's own ordinary error, which is returned
 	// unchanged: then this is the only sign. (fn's context is cancelled with cause
-	// [ErrLeaseLost] as soon as renewals stall, before this is known; that alone does not
-	// set it.)
+	// [ErrLeaseLost] when no renewal succeeded by a tenth of a lease before it ends, before
+	// this is known; that alone does not set it.)
 	LeaseLost bool
 }
 
@@ -107,8 +107,9 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // not run.
 //
 // The first caller reserves the key and runs fn with a context that carries the key
-// ([KeyFromContext]) and is cancelled with cause [ErrLeaseLost] if the reservation is
-// taken over; a heartbeat renews the lease every lease/3 while fn runs, so a slow live
+// ([KeyFromContext]) and is cancelled with cause [ErrLeaseLost] when renewals stall until a
+// tenth of a lease before it ends or find the reservation taken over (see
+// [Result.LeaseLost] for what proves a takeover); a heartbeat renews the lease every lease/3 while fn runs, so a slow live
 // holder is never taken over. No connection is held while fn runs. Then:
 //   - fn succeeds: the value is stored as JSON (jsonb, encoding/json rules) and returned;
 //     later calls replay it, decoded into T. Zero values, nil pointers, empty slices and
@@ -150,11 +151,13 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // and fn is not run, unless [Config.FailOpen] is set. Cancelling ctx before fn runs
 // returns ctx.Err() and leaves no reservation behind (one made while ctx ended is released
 // at once; a reserving statement already sent finishes first, within
-// [Config.FinishTimeout]). The reserving statement waits for a pool connection on that
-// detached context too, so with every connection of the pool in use (a pool smaller than
+// [Config.FinishTimeout]). With every connection of the pool in use (a pool smaller than
 // the calls holding one, such as handlers inside [Coordinator.InboxHandle] or [DoInTx]
-// calling Do) a call can outlast ctx's deadline by up to two FinishTimeouts and then
-// returns a [*StoreError]: size the pool for the calls in flight. Safe for concurrent use.
+// calling Do), the first read waits for a connection on ctx and returns its error; with
+// [DoOpts.ReserveFirst] (the River middleware's choice) the reserving statement waits on
+// its detached context instead, so the call can outlast ctx's deadline by up to two
+// FinishTimeouts and then returns a [*StoreError]. Size the pool for the calls in flight.
+// Safe for concurrent use.
 func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context) (T, error)) (Result[T], error) {
 	var res Result[T]
 	if c == nil || fn == nil {

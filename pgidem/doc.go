@@ -43,7 +43,10 @@
 // next caller takes over and the record's attempts count rises to 2 — the sign that the
 // effect may have run twice. Every write of a holder is conditional on its random owner
 // token, so a holder that was taken over cannot overwrite its successor; it learns of the
-// loss through fn's context (cause [ErrLeaseLost]) and the returned error. A holder that
+// loss through the returned error or, when fn returned an error of its own (returned
+// unchanged), through [Result.LeaseLost] ([DoResult]). fn's context is cancelled with cause
+// [ErrLeaseLost] when renewals stall or find the record taken over; the cause alone does
+// not prove a takeover. A holder that
 // cannot renew (cut off from the store) has fn's context cancelled with that cause a tenth
 // of a lease before its lease can end, so before anyone can take over; a lease granted by
 // a statement that waited (behind another transaction's lock) is renewed before fn starts.

@@ -58,9 +58,10 @@
 // the middleware decodes what it needs from the job's encoded args and bounds its own SQL
 // before the worker starts ([Config.SQLTimeout]; never the worker). While the worker runs,
 // pgidem's heartbeat renews the lease — also past JobTimeout, for a worker that ignores
-// cancellation — so the rescuer's parallel duplicate finds the key in progress. If the
-// heartbeat finds the lease lost, the worker's context is cancelled with cause
-// [pgidem.ErrLeaseLost], however long the worker has been running.
+// cancellation — so the rescuer's parallel duplicate finds the key in progress. When
+// renewals stall until a tenth of a lease before it ends, or a renewal finds the record
+// taken over, the worker's context is cancelled with cause [pgidem.ErrLeaseLost], however
+// long the worker has been running (the cause alone does not prove a takeover).
 //
 // A duplicate that finds the key in progress is, by default, snoozed (river.JobSnooze,
 // which uses no attempt) for the holder's remaining lease clamped to [Config.SnoozeMin]

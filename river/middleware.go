@@ -122,9 +122,9 @@ const (
 	// river.JobSnooze (River runs the job later) or river.JobCancel (River stops). An
 	// error that matches [pgidem.ErrPermanent] only through a failure a nested pgidem call
 	// replayed is such an error: it carries no [pgidem.Permanent] error, so nothing was
-	// stored. (If the lease was lost meanwhile there was nothing left to release: the
-	// record is the new holder's, pgidem logs the lost lease, and the retry replays or
-	// waits for its outcome.)
+	// stored. (When the lease was lost meanwhile, only a panic or the worker's own
+	// river.JobSnooze or river.JobCancel comes here, with nothing left to release: the
+	// record is the new holder's. Any other worker error is then [ActionError].)
 	ActionReleased Action = "released"
 	// ActionCancelled: the effect failed permanently (the worker returned a
 	// [pgidem.Permanent] error, now or on an earlier job with the key, possibly wrapped in
@@ -135,13 +135,12 @@ const (
 	// worker again.
 	ActionCancelled Action = "cancelled"
 	// ActionError: the middleware could not decide (invalid key, undecodable args, store
-	// unreachable), or the lease was lost while the worker ran: it succeeded, failed
-	// permanently, or stopped with an error after pgidem cancelled its context (its outcome
-	// is then not stored: the record is the new holder's). The error, matching
-	// [pgidem.ErrLeaseLost] in that case (and wrapping the worker's), was returned to River, which
-	// retries the job and replays or waits for the new holder's outcome — unless the
-	// worker's own river.JobSnooze or river.JobCancel error, which passes through
-	// unchanged, says otherwise.
+	// unreachable), or the write after the worker found the record taken over: the worker
+	// succeeded, failed permanently, or returned an error (other than its own
+	// river.JobSnooze or river.JobCancel, which pass through unchanged as [ActionReleased]),
+	// and its outcome was not stored: the record is the new holder's. The error, matching
+	// [pgidem.ErrLeaseLost] in that case (and wrapping the worker's), was returned to River,
+	// which retries the job and replays or waits for the new holder's outcome.
 	ActionError Action = "error"
 	// ActionSkipped: the kind is excluded ([Config.ExcludeKinds], [SweepKind]); the
 	// worker ran without a reservation.
@@ -255,8 +254,9 @@ type Config struct {
 	//
 	// It never bounds the worker: the timer stops as soon as the worker starts, and the
 	// worker's context is then cancelled only by the job's own context (JobTimeout, client
-	// shutdown) or with cause [pgidem.ErrLeaseLost] when the heartbeat finds the
-	// reservation lost — for as long as the worker runs. Nor does it bound the finishing
+	// shutdown) or with cause [pgidem.ErrLeaseLost] when renewals stall until a tenth of a
+	// lease before it ends, or a renewal finds the record taken over (the cause alone does
+	// not prove a takeover) — for as long as the worker runs. Nor does it bound the finishing
 	// write, which the coordinator bounds with [pgidem.Config.FinishTimeout].
 	//
 	// A reservation step that runs out of time fails the job (River retries it) with an
@@ -335,10 +335,12 @@ type Stats struct {
 //     same: [Outcome.RecordNotCompleted]). Worker returns an error: the record is
 //     released and the error returned unchanged (snooze and cancel errors included), so
 //     River retries; when the release finds the record taken over, the error is wrapped
-//     in one matching [pgidem.ErrLeaseLost] ([ActionError]). A [pgidem.Permanent] error is
-//     stored and the job cancelled. Renewals that stall (the heartbeat cannot reach the
-//     record before the lease runs out) cancel the worker's context with cause
-//     [pgidem.ErrLeaseLost], however long the worker has run.
+//     in one matching [pgidem.ErrLeaseLost] ([ActionError]), except the worker's own
+//     river.JobSnooze or river.JobCancel, which pass through unchanged. A
+//     [pgidem.Permanent] error is stored and the job cancelled. Renewals that stall until a
+//     tenth of a lease before it ends, or a renewal that finds the record taken over,
+//     cancel the worker's context with cause [pgidem.ErrLeaseLost], however long the
+//     worker has run (the cause alone does not prove a takeover).
 //
 // It is safe for concurrent use and may serve several clients.
 type Middleware struct {
@@ -517,7 +519,8 @@ func (m *Middleware) kind(kind string) *kindInfo {
 // Work implements [rivertype.WorkerMiddleware]; River calls it for every execution of a job.
 // See [Middleware] for what it does. The error it returns is the worker's, unchanged, when
 // the worker ran and failed (wrapped in one matching [pgidem.ErrLeaseLost] when the record
-// was then found taken over); river.JobSnooze when another execution holds the key; a
+// was then found taken over, except its own river.JobSnooze or river.JobCancel);
+// river.JobSnooze when another execution holds the key; a
 // river.JobCancel wrapping a stored permanent failure; otherwise an error prefixed
 // "pgidemriver: " wrapping pgidem's ([pgidem.ErrInvalidKey], [pgidem.ErrStoreUnavailable],
 // [pgidem.ErrLeaseLost], a context error — context.DeadlineExceeded when the reservation

@@ -73,7 +73,7 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 // COMMITTED (see DoTxResult). The key must differ from the one the [Middleware] reserved
 // for the same job — DoTx would find that reservation in progress — so exclude the kind
 // from the middleware ([Config.ExcludeKinds]) or use another namespace; the same key
-// returns an error at once.
+// returns an error matching [pgidem.ErrInvalidArgument] at once (River retries the job).
 //
 // Errors (tx holds nothing to keep unless noted):
 //   - fn's error, unchanged: fn's writes are undone and River retries the job (unless it
@@ -130,14 +130,16 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 	if c == nil || tx == nil || job == nil {
 		return res, false, invalid("WorkTx: coordinator, transaction and job must not be nil")
 	}
-	if ns, k, ok := pgidem.KeyFromContext(ctx); ok && ns == namespace && k == key {
-		return res, false, fmt.Errorf("pgidemriver: WorkTx: %s/%s is the key the middleware already reserved for job %d; "+
-			"add kind %q to Config.ExcludeKinds or use another namespace", namespace, key, job.ID, job.Kind)
-	}
-
 	res, err = pgidem.DoTxResult(ctx, c, tx, namespace, key, ttl, opts, fn)
 	var inProgress *pgidem.InProgressError
 	switch {
+	case errors.Is(err, pgidem.ErrInvalidArgument):
+		if ns, k, ok := pgidem.KeyFromContext(ctx); ok && ns == namespace && k == key {
+			// pgidem refused the key it holds for the middleware: say how to fix it.
+			return res, false, fmt.Errorf("pgidemriver: WorkTx: %s/%s is the key the middleware already reserved for job %d; "+
+				"add kind %q to Config.ExcludeKinds or use another namespace: %w", namespace, key, job.ID, job.Kind, err)
+		}
+		return res, false, err
 	case err == nil:
 	case errors.As(err, &inProgress):
 		// Clamped like the middleware's snooze: never a busy loop, never a whole lease.

@@ -289,3 +289,22 @@ func TestWorkTxReplayNotDecodable(t *testing.T) {
 	require.False(t, errors.As(err, &cancel))
 	require.False(t, pgidemriver.ShouldCommit(err))
 }
+
+// WorkTx under the middleware's own key is refused at once with pgidem's typed error and
+// a hint at the fix; pgidem decides (so a coordinator on another named schema is not
+// refused). It used to be a plain error that matched nothing.
+func TestWorkTxMiddlewareKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, _ := b.invoiceMiddleware(t, nil)
+	runs := 0
+	err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":70}`), func(ctx context.Context) error {
+		j := &river.Job[ShipArgs]{JobRow: &rivertype.JobRow{ID: 1, Kind: "mail.invoice", State: rivertype.JobStateRunning}}
+		_, err := pgidemriver.WorkInTx(ctx, b.coord, j, "mail.invoice", "order-70.invoice", testTTL, nil,
+			func(context.Context, pgx.Tx) (int, error) { runs++; return 1, nil })
+		return err
+	})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.ErrorContains(t, err, "Config.ExcludeKinds")
+	require.Zero(t, runs)
+}

@@ -679,7 +679,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	if own, ok := workerErr.(*pgidem.FailureNotStoredError); ok && own == notStored {
 		notStored = nil
 	}
-	failureLeaseLost := notStored != nil && errors.Is(notStored.Cause, pgidem.ErrLeaseLost)
+	failureLeaseLost := notStored != nil && res.LeaseLost // pgidem's verdict on its own write
 	// A failure is permanent by pgidem's rule: the worker's error carries a
 	// [pgidem.PermanentError] (and pgidem stored it), or the record replayed a stored
 	// failure. A worker error that merely matches ErrPermanent through a nested call's

@@ -415,7 +415,7 @@ func (a *app) otherInstalls(ctx context.Context, db *sql.DB) ([]string, error) {
 		return nil, err
 	}
 	defer pool.Close()
-	schemas, err := otherInstalls(ctx, pool, a.schema)
+	schemas, err := otherInstalls(ctx, pool)
 	if err != nil {
 		return nil, fmt.Errorf("pgidem: look for pgidem in other schemas: %w", err)
 	}

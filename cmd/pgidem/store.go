@@ -86,7 +86,7 @@ func (s *store) missingTable(ctx context.Context, op string, err error) error {
 		case !record:
 			what = "table " + recordTable + " not found"
 			if s.schema == "" { // with --schema, the operator chose where to look
-				elsewhere, _ = otherInstalls(ctx, s.pool, s.schema)
+				elsewhere, _ = otherInstalls(ctx, s.pool)
 			}
 		case !inbox:
 			what = "table " + inboxTable + " not found"
@@ -102,19 +102,19 @@ func (s *store) missingTable(ctx context.Context, op string, err error) error {
 	return fmt.Errorf("%s; if that is not the database you meant, pass --database-url (or --schema); if it is, run 'pgidem migrate up'", msg)
 }
 
-// otherInstallsSQL lists the schemas other than $1 (or, for "", the current schema) that
-// hold pgidem's record table, whether or not they are on the search_path.
+// otherInstallsSQL lists the schemas other than the current one that hold pgidem's record
+// table, whether or not they are on the search_path.
 const otherInstallsSQL = `
 SELECT coalesce(array_agg(n.nspname ORDER BY n.nspname), '{}')
 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
 WHERE c.relname = 'pgidem_record' AND c.relkind IN ('r', 'p')
-	AND n.nspname IS DISTINCT FROM coalesce(nullif($1, ''), current_schema())`
+	AND n.nspname IS DISTINCT FROM current_schema()`
 
-// otherInstalls returns the schemas, other than schema (or the current one), where pgidem
-// is installed.
-func otherInstalls(ctx context.Context, pool *pgxpool.Pool, schema string) ([]string, error) {
+// otherInstalls returns the schemas, other than the connection's current one, where pgidem
+// is installed. Its callers ask only without --schema: with it, the operator chose.
+func otherInstalls(ctx context.Context, pool *pgxpool.Pool) ([]string, error) {
 	var schemas []string
-	err := pool.QueryRow(ctx, otherInstallsSQL, schema).Scan(&schemas)
+	err := pool.QueryRow(ctx, otherInstallsSQL).Scan(&schemas)
 	return schemas, err
 }
 

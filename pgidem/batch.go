@@ -37,6 +37,10 @@ const batchLockTimeout = "50ms"
 // back.
 var errBatchFallback = errors.New("pgidem: batch rolled back; run alone")
 
+// errRoundNotSent tells a member to run its own single-key statement: its round's leader
+// gave up waiting for a pool connection (its context ended), so nothing was sent.
+var errRoundNotSent = errors.New("pgidem: round not sent; run alone")
+
 // batchItem is one caller's request in a batcher and, once its round ran, the outcome.
 type batchItem[Req, Res any] struct {
 	req  Req
@@ -139,14 +143,26 @@ type completeReq struct {
 // array statement for more. An item that comes back without a row gets pgx.ErrNoRows, as
 // the single-key statement would (its key was also in the batch, or committed after the
 // statement's snapshot): acquire reads again.
+//
+// ctx is the leading caller's. Waiting for a pool connection sends nothing, so that wait
+// ends with ctx: the leader then returns ctx's error (as a *notSentError) and every other
+// member runs alone (errRoundNotSent), waiting for a connection on its own context.
 func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserveReq, row]) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
-	defer cancel()
-	var err error
+	ctx, conn, release, err := c.detachedConn(ctx, false)
+	if err != nil {
+		for i, it := range items {
+			it.res, it.err = row{}, err
+			if i > 0 && err.(*notSentError).callerEnded {
+				it.err = errRoundNotSent
+			}
+		}
+		return
+	}
+	defer release()
 	if len(items) == 1 {
 		it := items[0]
 		cl := it.req.cl
-		err = c.inRound(ctx, c.sql.reserveRound, []any{cl.namespace, cl.key, it.req.owner, cl.fingerprint,
+		err = c.inRound(ctx, conn, c.sql.reserveRound, []any{cl.namespace, cl.key, it.req.owner, cl.fingerprint,
 			micros(cl.lease), micros(cl.ttl)}, func(rows pgx.Rows) error {
 			it.err = pgx.ErrNoRows
 			if rows.Next() {
@@ -169,7 +185,7 @@ func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserv
 			leases[i], ttls[i] = micros(cl.lease), micros(cl.ttl)
 			it.err = pgx.ErrNoRows
 		}
-		err = c.inRound(ctx, c.sql.reserveMany, []any{namespaces, keys, owners, fingerprints, leases, ttls}, func(rows pgx.Rows) error {
+		err = c.inRound(ctx, conn, c.sql.reserveMany, []any{namespaces, keys, owners, fingerprints, leases, ttls}, func(rows pgx.Rows) error {
 			var ord int64
 			var r row
 			targets := append([]any{&ord}, r.scanTargets(true)...)
@@ -209,7 +225,7 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 	var err error
 	if len(items) == 1 {
 		it, q := items[0], items[0].req
-		err = c.inRound(ctx, c.sql.completeRound, []any{q.cl.namespace, q.cl.key, q.owner, q.status, jsonText(q.result),
+		err = c.inRound(ctx, c.pool, c.sql.completeRound, []any{q.cl.namespace, q.cl.key, q.owner, q.status, jsonText(q.result),
 			jsonText(q.failure), micros(q.cl.ttl)}, func(rows pgx.Rows) error {
 			rows.Close()
 			if rows.CommandTag().RowsAffected() == 0 {
@@ -233,7 +249,7 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 			byOwner[q.owner] = it
 		}
 		args := append(slices.Clip(c.planEach), namespaces, keys, owners, statuses, results, failures, ttls)
-		err = c.inRound(ctx, c.sql.completeMany, args, func(rows pgx.Rows) error {
+		err = c.inRound(ctx, c.pool, c.sql.completeMany, args, func(rows pgx.Rows) error {
 			var owner pgtype.UUID
 			for rows.Next() {
 				if err := rows.Scan(&owner); err != nil {
@@ -259,10 +275,10 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 	}
 }
 
-// inRound runs one of the round statements (which carry roundGuard) and hands its rows to
-// scan.
-func (c *Coordinator) inRound(ctx context.Context, sql string, args []any, scan func(pgx.Rows) error) error {
-	rows, err := c.pool.Query(ctx, sql, args...)
+// inRound runs one of the round statements (which carry roundGuard) on q and hands its
+// rows to scan.
+func (c *Coordinator) inRound(ctx context.Context, q executor, sql string, args []any, scan func(pgx.Rows) error) error {
+	rows, err := q.Query(ctx, sql, args...)
 	if err != nil {
 		return err
 	}

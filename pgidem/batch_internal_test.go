@@ -321,17 +321,49 @@ func TestRoundRefusedByServerRollsBackAndFallsBack(t *testing.T) {
 	require.Equal(t, StatusInProgress, rec.Status, "the refused round wrote nothing")
 }
 
+// poolOfOne returns a pool of one connection on db, closed at cleanup.
+func poolOfOne(t *testing.T, db *testdb.DB) *pgxpool.Pool {
+	t.Helper()
+	poolConfig, err := pgxpool.ParseConfig(db.URL)
+	require.NoError(t, err)
+	poolConfig.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(context.Background(), poolConfig)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// A round whose leader's context ends while it waits for a pool connection sends nothing:
+// the leader gets its context's error, and every other member is sent to run alone (on its
+// own context), not failed with the leader's error.
+func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
+	_, db := batchFixture(t)
+	ctx := context.Background()
+	pool := poolOfOne(t, db)
+	c, err := NewCoordinator(pool, nil)
+	require.NoError(t, err)
+	held, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer held.Release()
+
+	leaderCtx, cancel := context.WithCancel(ctx)
+	cancel()
+	items := reserveItems(t, c, "leader", "follower")
+	c.runReserves(leaderCtx, items)
+	require.ErrorIs(t, items[0].err, context.Canceled)
+	require.ErrorIs(t, endedWaiting(items[0].err), context.Canceled)
+	require.ErrorIs(t, items[1].err, errRoundNotSent)
+	held.Release()
+	rec, err := c.Lookup(ctx, "ns", "leader")
+	require.ErrorIs(t, err, ErrNotFound, "%+v", rec)
+}
+
 func TestRoundDoesNotWaitBehindAnOpenTransaction(t *testing.T) {
 	_, db := batchFixture(t)
 	ctx := context.Background()
 	// The coordinator gets a pool of one connection, so the last check reads the setting
 	// on the very connection the rounds used.
-	poolConfig, err := pgxpool.ParseConfig(db.URL)
-	require.NoError(t, err)
-	poolConfig.MaxConns = 1
-	pool, err := pgxpool.NewWithConfig(ctx, poolConfig)
-	require.NoError(t, err)
-	defer pool.Close()
+	pool := poolOfOne(t, db)
 	c, err := NewCoordinator(pool, &Config{MinTTL: 2 * time.Second, Lease: time.Second})
 	require.NoError(t, err)
 
@@ -636,7 +668,7 @@ func TestReservationExpiresATTLAfterItsLease(t *testing.T) {
 
 	cl, err := c.newCall("ns", "single", time.Hour, nil)
 	require.NoError(t, err)
-	r, err := c.reserveOne(ctx, c.sql.reserve, cl, newOwner())
+	r, err := c.reserveOne(ctx, c.pool, c.sql.reserve, cl, newOwner())
 	require.NoError(t, err)
 	check("reserve", r)
 
@@ -649,7 +681,7 @@ func TestReservationExpiresATTLAfterItsLease(t *testing.T) {
 
 	_, err = db.Pool.Exec(ctx, `UPDATE pgidem_record SET lease_expires_at = now() - interval '1 second' WHERE key = 'single'`)
 	require.NoError(t, err)
-	r, err = c.reserveOne(ctx, c.sql.takeover, cl, newOwner())
+	r, err = c.reserveOne(ctx, c.pool, c.sql.takeover, cl, newOwner())
 	require.NoError(t, err)
 	require.True(t, r.tookOver)
 	check("takeover", r)

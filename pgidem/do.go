@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // DoOpts are optional per-call settings for [Do], [DoResult], [DoTx], [DoTxResult] and
@@ -153,11 +154,12 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // at once; a reserving statement already sent finishes first, within
 // [Config.FinishTimeout]). With every connection of the pool in use (a pool smaller than
 // the calls holding one, such as handlers inside [Coordinator.InboxHandle] or [DoInTx]
-// calling Do), the first read waits for a connection on ctx and returns its error; with
-// [DoOpts.ReserveFirst] (the River middleware's choice) the reserving statement waits on
-// its detached context instead, so the call can outlast ctx's deadline by up to two
-// FinishTimeouts and then returns a [*StoreError]. Size the pool for the calls in flight.
-// Safe for concurrent use.
+// calling Do), the statements before fn wait for a connection while ctx lasts and, when
+// ctx ends first, return its error with nothing sent (with or without
+// [DoOpts.ReserveFirst]); the reserving statement waits at most [Config.FinishTimeout]
+// and then returns a [*StoreError]. A call queued behind a concurrent call's shared
+// reserving statement waits for that statement's connection too, up to
+// [Config.FinishTimeout]. Size the pool for the calls in flight. Safe for concurrent use.
 func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context) (T, error)) (Result[T], error) {
 	var res Result[T]
 	if c == nil || fn == nil {
@@ -328,6 +330,9 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 				continue
 			}
 		}
+		if ctxErr := endedWaiting(err); ctxErr != nil {
+			return acq, ctxErr
+		}
 		if err != nil {
 			errCtx := ctx
 			if detached {
@@ -357,6 +362,9 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			t, _, err := c.reserveWrite(ctx, c.sql.takeover, cl)
 			if errors.Is(err, pgx.ErrNoRows) || isSerializationFailure(err) {
 				continue // another caller took it over first (or it was deleted): read again
+			}
+			if ctxErr := endedWaiting(err); ctxErr != nil {
+				return acq, ctxErr
 			}
 			if err != nil { // the takeover ran on a context of its own, as the insert did
 				return acq, c.logStoreError(context.WithoutCancel(ctx), cl, storeError("takeover", err))
@@ -459,7 +467,9 @@ func (w *waiter) inProgress(ctx context.Context, r *row) error {
 // a reservation committed on the server but abandoned by a cancelled client would block
 // the key for a lease and then count as a takeover that never was. The statement can block
 // behind another transaction's uncommitted record for the key (an open DoTx); a caller
-// cancelled meanwhile returns when it finishes, at most FinishTimeout later.
+// cancelled meanwhile returns when it finishes, at most FinishTimeout later. Waiting for a
+// pool connection sends nothing, so that wait ends with ctx (detachedConn), and acquire
+// then returns ctx's error.
 //
 // Each call makes a fresh owner token; a row the statement reserved carries it. Reserving
 // inserts of concurrent calls share a statement (batch.go).
@@ -481,6 +491,7 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 	if sql == c.sql.reserve && c.config.MaxBatch > 1 {
 		r, err := c.reserves.do(ctx, reserveReq{cl: cl, owner: owner})
 		switch {
+		case err == errRoundNotSent: // the round's leader gave up waiting for a connection
 		case err == errBatchFallback:
 			refused = true
 		case replyLost(err):
@@ -489,15 +500,22 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 			return r, false, err
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
-	defer cancel()
+	// The first statement runs on a connection acquired while ctx lasts (unless an earlier
+	// write may have committed: then the call must find out, whatever ctx does); a retry
+	// after a lost reply gives it back and runs on any connection of the pool.
+	ctx, conn, release, err := c.detachedConn(ctx, unknown)
+	if err != nil {
+		return row{}, refused, err
+	}
+	defer release()
+	var q executor = conn
 	for attempt := 0; ; attempt++ {
 		if unknown {
-			if mine, ok, err := c.ownReservation(ctx, cl, owner); err != nil || ok {
+			if mine, ok, err := c.ownReservation(ctx, q, cl, owner); err != nil || ok {
 				return mine, refused, err
 			}
 		}
-		r, err = c.reserveOne(ctx, sql, cl, owner)
+		r, err = c.reserveOne(ctx, q, sql, cl, owner)
 		if unknown && err == nil && !r.inserted && ownedBy(&r, owner) {
 			// The first write committed after the read above (it was still running on the
 			// server, behind a lock): the insert finds its own row.
@@ -506,7 +524,7 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 		if unknown && errors.Is(err, pgx.ErrNoRows) {
 			// Or this write waited for the first one to finish and then matched nothing:
 			// look once more, now that the first is done.
-			if mine, ok, rerr := c.ownReservation(ctx, cl, owner); rerr != nil || ok {
+			if mine, ok, rerr := c.ownReservation(ctx, q, cl, owner); rerr != nil || ok {
 				return mine, refused, rerr
 			}
 		}
@@ -514,7 +532,36 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 			return r, refused, err
 		}
 		unknown, refused = true, true
+		conn.Release() // the connection may be broken; with a pool of one, the retry needs it
+		q = c.pool
 	}
+}
+
+// detachedConn acquires a pool connection for a write that must finish once sent: the
+// write runs on the returned context, detached from ctx and bounded by FinishTimeout
+// (counted from this call). Waiting for a free connection sends nothing, so unless
+// mustFinish that wait also ends with ctx: err is then a *notSentError holding ctx's
+// error. A wait that outlasts FinishTimeout, or a connection that cannot be made, returns
+// a *notSentError holding the pool's error. release gives the connection back and ends
+// the returned context.
+func (c *Coordinator) detachedConn(ctx context.Context, mustFinish bool) (wctx context.Context, conn *pgxpool.Conn, release func(), err error) {
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
+	actx := wctx
+	if !mustFinish {
+		deadline, _ := wctx.Deadline()
+		var cancelWait context.CancelFunc
+		actx, cancelWait = context.WithDeadline(ctx, deadline)
+		defer cancelWait()
+	}
+	conn, err = c.pool.Acquire(actx)
+	if err != nil {
+		cancel()
+		if ctxErr := ctx.Err(); ctxErr != nil && !mustFinish {
+			return nil, nil, nil, &notSentError{err: ctxErr, callerEnded: true}
+		}
+		return nil, nil, nil, &notSentError{err: err}
+	}
+	return wctx, conn, func() { conn.Release(); cancel() }, nil
 }
 
 // freshLease renews a lease just granted to cl (r) before fn starts, when a third of it
@@ -566,9 +613,9 @@ func replyLost(err error) bool {
 // reserving write of this call committed although its reply was lost. The row comes back
 // as the write would have returned it (inserted; for a takeover, acquire decides
 // tookOver from its own read).
-func (c *Coordinator) ownReservation(ctx context.Context, cl *call, owner pgtype.UUID) (row, bool, error) {
+func (c *Coordinator) ownReservation(ctx context.Context, q executor, cl *call, owner pgtype.UUID) (row, bool, error) {
 	var r row
-	err := c.pool.QueryRow(ctx, c.sql.lookup, cl.namespace, cl.key).Scan(r.scanTargets(false)...)
+	err := q.QueryRow(ctx, c.sql.lookup, cl.namespace, cl.key).Scan(r.scanTargets(false)...)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return row{}, false, nil
@@ -582,13 +629,13 @@ func (c *Coordinator) ownReservation(ctx context.Context, cl *call, owner pgtype
 }
 
 // reserveOne runs a single-key reserving statement with owner as the token.
-func (c *Coordinator) reserveOne(ctx context.Context, sql string, cl *call, owner pgtype.UUID) (row, error) {
+func (c *Coordinator) reserveOne(ctx context.Context, q executor, sql string, cl *call, owner pgtype.UUID) (row, error) {
 	var r row
 	targets := r.scanTargets(true)
 	if sql == c.sql.takeover {
 		targets = append(targets, &r.tookOver)
 	}
-	err := c.pool.QueryRow(ctx, sql, cl.namespace, cl.key, owner, cl.fingerprint,
+	err := q.QueryRow(ctx, sql, cl.namespace, cl.key, owner, cl.fingerprint,
 		micros(cl.lease), micros(cl.ttl)).Scan(targets...)
 	return r, err
 }

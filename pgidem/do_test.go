@@ -733,6 +733,50 @@ func TestBackendTerminatedBeforeFn(t *testing.T) {
 	require.Equal(t, 2, v)
 }
 
+// With every connection of the pool in use, a call whose context ends before it gets one
+// returns the context's error at once, with nothing sent, whichever statement it starts
+// with; the reserving statement used to wait on its detached context (FinishTimeout, twice
+// through the lost-reply check) and return a store error.
+func TestPoolExhaustedBeforeFn(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for _, tc := range []struct {
+		name         string
+		maxBatch     int
+		reserveFirst bool
+	}{
+		{"Read", 0, false},
+		{"ReserveFirst", 0, true},
+		{"ReserveFirstUnbatched", 1, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			pool := b.newPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+			coord := b.newCoordOn(t, pool, &pgidem.Config{MaxBatch: tc.maxBatch, FinishTimeout: time.Minute})
+			held, err := pool.Acquire(b.ctx)
+			require.NoError(t, err)
+			defer held.Release() // before the pool's cleanup closes it, should a check fail
+
+			ctx, cancel := context.WithTimeout(b.ctx, 200*time.Millisecond)
+			defer cancel()
+			ran := false
+			_, err = pgidem.Do(ctx, coord, "mail", tc.name, testTTL, &pgidem.DoOpts{ReserveFirst: tc.reserveFirst},
+				func(context.Context) (int, error) { ran = true; return 1, nil })
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable, "the caller's deadline, not the store's failure")
+			require.False(t, ran)
+			held.Release()
+
+			rec, err := coord.Lookup(b.ctx, "mail", tc.name)
+			require.ErrorIs(t, err, pgidem.ErrNotFound, "nothing was sent: no reservation is left behind (%+v)", rec)
+			v, err := pgidem.Do(b.ctx, coord, "mail", tc.name, testTTL, &pgidem.DoOpts{ReserveFirst: tc.reserveFirst},
+				func(context.Context) (int, error) { return 2, nil })
+			require.NoError(t, err)
+			require.Equal(t, 2, v)
+		})
+	}
+}
+
 func TestBackendTerminatedDuringFn(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -275,6 +275,27 @@ func mayHaveApplied(err error) bool {
 	return true
 }
 
+// notSentError is a failure to obtain a pool connection for a write: nothing was sent, so
+// nothing can have been applied (SafeToRetry). callerEnded reports that the wait ended with
+// the caller's context, and err is then that context's error.
+type notSentError struct {
+	err         error
+	callerEnded bool
+}
+
+func (e *notSentError) Error() string     { return e.err.Error() }
+func (e *notSentError) Unwrap() error     { return e.err }
+func (e *notSentError) SafeToRetry() bool { return true }
+
+// endedWaiting returns the caller's context error when err is a wait for a pool
+// connection that the caller's context cut short (nothing was sent), else nil.
+func endedWaiting(err error) error {
+	if ns := (*notSentError)(nil); errors.As(err, &ns) && ns.callerEnded {
+		return ns.err
+	}
+	return nil
+}
+
 // isConnectError reports whether err is a failure to reach the server at all (refused,
 // timed out, network): nothing was sent to the store. A connection the server refused
 // with an error of its own (authentication failed, database missing) is a

@@ -138,19 +138,33 @@ func TestDoTxWaitForDoKeepsTxAlive(t *testing.T) {
 
 // InboxHandle for a message from within the fn handling that message is refused at once;
 // it used to wait for its own uncommitted inbox row until ctx ended (for ever without a
-// deadline). Another message, and a Do inside fn, are fine; KeyFromContext inside the
-// handler still reports only record keys.
+// deadline). So is InboxRecordTx for that message: on the handler's own tx it reported a
+// duplicate (a helper doing so would skip the handler's writes), on another tx it waited
+// like the nested InboxHandle. Another message, and a Do inside fn, are fine;
+// KeyFromContext inside the handler still reports only record keys.
 func TestInboxHandleNestedSameMessage(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	ctx, cancel := context.WithTimeout(b.ctx, time.Minute) // failure cap for the old hang
 	defer cancel()
 	inner := 0
-	handled, err := b.coord.InboxHandle(ctx, "billing", "m1", nil, func(ctx context.Context, _ pgx.Tx) error {
+	handled, err := b.coord.InboxHandle(ctx, "billing", "m1", nil, func(ctx context.Context, tx pgx.Tx) error {
 		_, _, ok := pgidem.KeyFromContext(ctx)
 		require.False(t, ok, "an inbox message is not a record key")
 		_, err := b.coord.InboxHandle(ctx, "billing", "m1", nil, func(context.Context, pgx.Tx) error { inner++; return nil })
 		require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+		isNew, err := b.coord.InboxRecordTx(ctx, tx, "billing", "m1", nil)
+		require.ErrorIs(t, err, pgidem.ErrInvalidArgument, "not a duplicate: the handler's own message")
+		require.False(t, isNew)
+		requireUsable(t, ctx, tx)
+		other, err := b.db.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = other.Rollback(b.ctx) }()
+		_, err = b.coord.InboxRecordTx(ctx, other, "billing", "m1", nil)
+		require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+		isNew, err = b.coord.InboxRecordTx(ctx, other, "billing", "m3", nil)
+		require.NoError(t, err)
+		require.True(t, isNew, "another message is recorded")
 		ok2, err := b.coord.InboxHandle(ctx, "billing", "m2", nil, func(context.Context, pgx.Tx) error { inner++; return nil })
 		require.NoError(t, err)
 		require.True(t, ok2)

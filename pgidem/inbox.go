@@ -316,11 +316,17 @@ func numericFits(b []byte) (int, bool) {
 // failure (SQLSTATE 40001, returned as a [*StoreError] whose Err is the *pgconn.PgError);
 // retry the transaction. Database errors are returned as a [*StoreError] for op "inbox";
 // roll tx back after one. tx must be read-write: in a read-only transaction the statement
-// is refused (a *StoreError) and tx is aborted. Cancelling ctx ends the statement (pgx
-// may close the connection, which ends tx). Safe for concurrent use on different
-// transactions.
+// is refused (a *StoreError) and tx is aborted. A call for the message from within the
+// [Coordinator.InboxHandle] fn handling it returns an error matching [ErrInvalidArgument]
+// before tx is touched: on that fn's tx it would report a duplicate (and the caller skip
+// the handler's writes), on another it would wait for the handler's uncommitted row.
+// Cancelling ctx ends the statement (pgx may close the connection, which ends tx). Safe
+// for concurrent use on different transactions.
 func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, messageID string, opts *InboxOpts) (bool, error) {
 	ic, err := c.newInboxCall(consumer, messageID, opts)
+	if err == nil {
+		err = checkNotHeld(ctx, "InboxRecordTx", c.config.Schema, consumer, messageID, true)
+	}
 	if err != nil {
 		c.emitInvalid(ctx, consumer)
 		return false, err

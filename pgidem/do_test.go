@@ -889,6 +889,67 @@ func TestSweep(t *testing.T) {
 	require.Equal(t, 6, b.count(t), "live records and the held reservation stay")
 }
 
+// Concurrent sweeps on a pool whose sessions default to REPEATABLE READ split the rows as
+// under READ COMMITTED. A row another sweep deleted after a statement's snapshot used to
+// fail that statement with a serialization failure: three of four sweeps returned a store
+// error.
+func TestSweepConcurrentUnderRepeatableRead(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	pool := b.newPool(t, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["default_transaction_isolation"] = "repeatable read"
+	})
+	coord := b.newCoordOn(t, pool, nil)
+	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, result, expires_at)
+		SELECT 'sweep', 'expired-' || i, 'completed', gen_random_uuid(), 'null'::jsonb, now() - interval '1 minute'
+		FROM generate_series(1, 10000) i`)
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	var total atomic.Int64
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Go(func() {
+			res, err := coord.Sweep(b.ctx, &pgidem.SweepOpts{BatchSize: 50})
+			errs[i] = err
+			total.Add(res.Records)
+		})
+	}
+	wg.Wait()
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+	require.EqualValues(t, 10000, total.Load())
+	require.Zero(t, b.count(t))
+}
+
+// Forget on a pool whose sessions default to REPEATABLE READ, blocked behind a concurrent
+// write to the record that then commits, reads the record again and deletes it. The
+// server refuses the first statement with a serialization failure, which Forget used to
+// return as a store error.
+func TestForgetUnderRepeatableRead(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	pool := b.newPool(t, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["default_transaction_isolation"] = "repeatable read"
+	})
+	coord := b.newCoordOn(t, pool, nil)
+	_, err := pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+	require.NoError(t, err)
+	tx := b.begin(t)
+	_, err = tx.Exec(b.ctx, `UPDATE pgidem_record SET updated_at = now() WHERE namespace = 'mail' AND key = 'k'`)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() {
+		_, err := coord.Forget(b.ctx, "mail", "k", nil)
+		done <- err
+	}()
+	reviewWaitBlocked(t, b, 1)
+	require.NoError(t, tx.Commit(b.ctx))
+	require.NoError(t, <-done)
+	_, err = coord.Lookup(b.ctx, "mail", "k")
+	require.ErrorIs(t, err, pgidem.ErrNotFound)
+}
+
 // countStoreErrors returns a coordinator with config (nil: defaults) whose
 // EventStoreErrors are counted.
 func (b *testBundle) countStoreErrors(t *testing.T, config *pgidem.Config) (*pgidem.Coordinator, *atomic.Int64) {

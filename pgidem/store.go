@@ -469,6 +469,8 @@ func (c *Coordinator) Forget(ctx context.Context, namespace, key string, opts *F
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 			return nil, ErrNotFound
+		case isSerializationFailure(err) && attempt < forgetAttempts:
+			continue // a pool of REPEATABLE READ sessions: a concurrent write; read it again
 		case err != nil:
 			return nil, c.reportStoreError(ctx, namespace, storeError("forget", err), slog.String("namespace", namespace), slog.String("key", key))
 		case deleted:

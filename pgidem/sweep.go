@@ -5,6 +5,8 @@ import (
 	"context"
 	"log/slog"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // SweepBatchSizeDefault is the default [SweepOpts.BatchSize].
@@ -35,7 +37,8 @@ type SweepResult struct {
 // deleted from each table. Expired rows already behave as absent, so sweeping only
 // reclaims space; in-progress records under a live lease are never deleted. Concurrent
 // sweeps (two River leaders during a handover, cron and a River job) split the rows with
-// SKIP LOCKED instead of blocking. Cancelling ctx (or its deadline passing) stops the sweep,
+// SKIP LOCKED instead of blocking; each batch is a READ COMMITTED transaction of its own,
+// whatever isolation the pool's sessions default to. Cancelling ctx (or its deadline passing) stops the sweep,
 // between batches or mid-statement (that batch rolls back), and returns what was deleted
 // so far with ctx's error, neither logged nor counted as a store error. Database errors are
 // returned as [*StoreError], logged at error and counted ([EventStoreError]). A negative
@@ -71,13 +74,12 @@ func (c *Coordinator) sweepTable(ctx context.Context, sql string, batch int, opt
 				return total, err
 			}
 		}
-		tag, err := c.pool.Exec(ctx, sql, batch)
+		n, err := c.sweepBatch(ctx, sql, batch)
 		if err != nil {
 			// ctx ending mid-statement is the caller's doing, which reportStoreError
 			// returns as such (the batch rolled back; the earlier ones stay deleted).
 			return total, c.reportStoreError(ctx, "", storeError("sweep", err), slog.Int64("deleted", total))
 		}
-		n := tag.RowsAffected()
 		total += n
 		if n > 0 {
 			c.emit(ctx, EventSwept, "", n)
@@ -87,4 +89,25 @@ func (c *Coordinator) sweepTable(ctx context.Context, sql string, batch int, opt
 		}
 	}
 	return total, nil
+}
+
+// sweepBatch deletes one batch of expired rows with sql in a READ COMMITTED transaction of
+// its own, whatever the pool's sessions default to: under REPEATABLE READ or SERIALIZABLE
+// a row that a concurrent sweep (or a takeover) changed after the statement's snapshot
+// fails the whole statement with a serialization failure, where READ COMMITTED skips it
+// or checks it again, so concurrent sweeps split the rows as the docs say.
+func (c *Coordinator) sweepBatch(ctx context.Context, sql string, batch int) (int64, error) {
+	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	if err != nil {
+		return 0, err
+	}
+	tag, err := tx.Exec(ctx, sql, batch)
+	if err == nil {
+		err = tx.Commit(ctx)
+	}
+	if err != nil {
+		c.rollbackDetached(ctx, tx)
+		return 0, err
+	}
+	return tag.RowsAffected(), nil
 }

@@ -243,9 +243,11 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // returns an error matching [ErrInvalidArgument] before fn runs, as do nil arguments and
 // a call for the key from within the fn of a call holding it, directly or through calls for
 // other keys (in the same transaction it would find no record yet and run fn again and
-// again). tx
-// must be on the coordinator's database: a record written elsewhere is not seen by its
-// other calls. DoTx is safe for concurrent use on different transactions; a pgx.Tx itself
+// again). A fn that returns nil after one of its statements failed (the server then
+// aborts the transaction) gets an error saying so, not a store error: its savepoint is
+// rolled back, nothing of fn's or the record is written, and tx stays usable. tx must be
+// on the coordinator's database: a record written elsewhere is not seen by its other
+// calls. DoTx is safe for concurrent use on different transactions; a pgx.Tx itself
 // is not safe for concurrent use.
 func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (Result[T], error) {
 	if c == nil || tx == nil || fn == nil {
@@ -683,6 +685,9 @@ func (c *Coordinator) txUpsert(ctx context.Context, db executor, cl *call, statu
 		// nesting too deep): the caller's value, not the store, is at fault.
 		return r, false, fmt.Errorf("%w: the database rejected it: %s (the transaction's effect was rolled back)",
 			ErrResultNotStorable, pgErr.Message)
+	}
+	if abortErr := abortedByFn("DoTx", err); abortErr != nil {
+		return r, false, abortErr
 	}
 	if err != nil {
 		return r, false, c.logStoreError(ctx, cl, storeError("complete", err))

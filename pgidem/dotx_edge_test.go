@@ -643,3 +643,59 @@ func TestDoTxErrorsLeaveNoSavepoints(t *testing.T) {
 	_, err = tx.Exec(b.ctx, "RELEASE SAVEPOINT pgidem_dotx")
 	require.ErrorContains(t, err, "3B001", "no pgidem savepoint is left open")
 }
+
+// A fn that swallows the error of one of its statements and returns nil leaves the
+// transaction aborted. DoTx, DoInTx and InboxHandle say so, and that it is fn's mistake:
+// they used to return a store error (logged at error and counted, as for an outage) for
+// the refused record write or the commit that rolled back. Nothing of fn's is committed,
+// and the next delivery runs fn again.
+func TestFnSwallowingAFailedStatement(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	coord, storeErrors := b.countStoreErrors(t, nil)
+	swallow := func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, "INSERT INTO effects (id) VALUES (1)")
+		require.NoError(t, err)
+		_, err = tx.Exec(ctx, "SELECT 1/0")
+		require.Error(t, err)
+		return nil
+	}
+	_, err := b.db.Pool.Exec(b.ctx, "CREATE TABLE effects (id int PRIMARY KEY)")
+	require.NoError(t, err)
+	check := func(t *testing.T, err error) {
+		t.Helper()
+		require.ErrorContains(t, err, "fn returned nil after one of its statements failed")
+		require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+		var effects int
+		require.NoError(t, b.db.Pool.QueryRow(b.ctx, "SELECT count(*) FROM effects").Scan(&effects))
+		require.Zero(t, effects)
+	}
+
+	_, err = coord.InboxHandle(b.ctx, "billing", "m1", nil, swallow)
+	check(t, err)
+	var inbox int
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, "SELECT count(*) FROM pgidem_inbox").Scan(&inbox))
+	require.Zero(t, inbox, "the message is not marked handled")
+
+	_, err = pgidem.DoInTx(b.ctx, coord, "mail", "k1", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		return 1, swallow(ctx, tx)
+	})
+	check(t, err)
+
+	tx := b.begin(t)
+	_, err = pgidem.DoTx(b.ctx, coord, tx, "mail", "k2", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		return 1, swallow(ctx, tx)
+	})
+	check(t, err)
+	requireUsable(t, b.ctx, tx)
+	require.NoError(t, tx.Commit(b.ctx))
+	require.Zero(t, b.count(t), "no record was written")
+	require.Zero(t, storeErrors.Load())
+
+	v, err := pgidem.DoInTx(b.ctx, coord, "mail", "k1", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		_, err := tx.Exec(ctx, "INSERT INTO effects (id) VALUES (1)")
+		return 2, err
+	})
+	require.NoError(t, err, "the next delivery runs fn again")
+	require.Equal(t, 2, v)
+}

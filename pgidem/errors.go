@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -246,6 +247,20 @@ func isValueRefused(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && (strings.HasPrefix(pgErr.Code, sqlstateClassDataException) ||
 		strings.HasPrefix(pgErr.Code, sqlstateClassProgramLimit))
+}
+
+// abortedByFn returns the error for a fn that returned nil although one of its statements
+// in the transaction pgidem gave it had failed: the server then aborts the transaction, so
+// pgidem's next statement is refused (in_failed_sql_transaction, 25P02) or the commit
+// rolls back (pgx.ErrTxCommitRollback). The mistake is fn's, not the store's: it is not a
+// *StoreError, and it is neither logged nor counted. nil when err is not such a refusal.
+func abortedByFn(op string, err error) error {
+	var pgErr *pgconn.PgError
+	if !errors.Is(err, pgx.ErrTxCommitRollback) && !(errors.As(err, &pgErr) && pgErr.Code == "25P02") {
+		return nil
+	}
+	return fmt.Errorf("pgidem: %s: fn returned nil after one of its statements failed, which aborted the transaction: "+
+		"nothing of fn's was committed (fn must return that statement's error): %w", op, err)
 }
 
 // isSerializationFailure reports whether the server refused a statement because a row it

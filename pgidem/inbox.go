@@ -369,7 +369,9 @@ func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op str
 //
 // If fn returns an error or panics, the transaction is rolled back — fn's writes and the
 // inbox row alike — and the error is returned (a panic continues), so the redelivery runs
-// fn again. A failed commit returns a [*StoreError] for op "commit". Validation and
+// fn again. A failed commit returns a [*StoreError] for op "commit", except when fn
+// returned nil after one of its statements failed (the server aborts the transaction, so
+// the commit rolls back): that returns an error saying so, not a store error. Validation and
 // concurrency are as in InboxRecordTx: a concurrent duplicate waits for the first
 // transaction and then skips, or runs if the first rolled back. A nil fn, or a call for
 // the message from within the fn handling it (directly or through other calls; it would
@@ -422,6 +424,9 @@ func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID strin
 	}
 	ended = true
 	if err := tx.Commit(ctx); err != nil {
+		if abortErr := abortedByFn("InboxHandle", err); abortErr != nil {
+			return false, abortErr
+		}
 		return false, c.inboxStoreError(ctx, ic, "commit", err)
 	}
 	return true, nil

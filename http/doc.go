@@ -13,7 +13,7 @@
 //		Principal: func(r *http.Request) (string, error) { return auth.UserID(r.Context()) },
 //	})
 //	if err != nil { ... }
-//	mux.Handle("POST /orders", mw.Handler(createOrder))
+//	mux.Handle("POST /orders", mw.Handler(http.HandlerFunc(createOrder)))
 //
 // A client sends
 //
@@ -28,7 +28,8 @@
 //   - a missing key where [Config.Required]: 400;
 //   - the key reused with a different request (method, path, query or body, by
 //     [Config.Fingerprint]): 422 — also after a response that was not stored
-//     ([Config.Store]: 5xx and a few retryable 4xx by default, or a panic) released a
+//     ([Config.Store]: 5xx and a few retryable 4xx by default, or a panic before any
+//     status) released a
 //     record that had been taken over from a server that died, since that server may have
 //     acted on the first request (a first record released is deleted, and the key is free);
 //   - a retry while the first request is still being handled: 409 with Retry-After;
@@ -43,8 +44,10 @@
 // checked, so the principal must be the finest identity whose authorization can differ
 // ([PrincipalFunc]).
 //
-// Server errors (5xx), 401, 403, 407, 408, 425, 429 and panics are not stored by default
-// ([Config.Store]): the key is released, so a retry runs the handler again. A store that cannot be reached before
+// Server errors (5xx), 401, 403, 407, 408, 425, 429 and panics before any status are not
+// stored by default ([Config.Store]): the key is released, so a retry runs the handler
+// again. A client that goes away does not cancel the handler's context unless
+// [Config.CancelWithClient]: its retry reads the outcome, so the handler finishes. A store that cannot be reached before
 // the handler runs is answered 503 and the handler does not run: a request is never run
 // unprotected unless the coordinator opted into [pgidem.Config.FailOpen].
 //

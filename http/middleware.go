@@ -18,6 +18,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode"
 	"unicode/utf8"
@@ -166,8 +167,12 @@ type Config struct {
 	// Store decides which responses are stored and replayed. Default [StoreDefault]
 	// (everything but 5xx, 401, 403, 407, 408, 425 and 429). Stored bodies sit in the
 	// record as plain JSON for the TTL, readable with SQL and the pgidem CLI: a route whose
-	// responses hold a secret shown once can keep them out with a Store of its own. A handler that panics (with [http.ErrAbortHandler] too)
-	// is never stored; one that returns without writing has answered 200, which is.
+	// responses hold a secret shown once can keep them out with a Store of its own. A
+	// handler that panics (with [http.ErrAbortHandler] too) before it sent a status is
+	// never stored; one that panics after it did is stored by that status, without its
+	// body (the client saw the status, and the effect may have happened: a
+	// [httputil.ReverseProxy] panics so when copying the upstream's body fails). One
+	// that returns without writing has answered 200, which is stored.
 	Store StorePolicyFunc
 
 	// Fingerprint computes a request's fingerprint, stored with the record and compared
@@ -206,6 +211,15 @@ type Config struct {
 	// answers errors with: a URI that documents them for your API's clients. Default
 	// [ProblemTypeDefault] ("about:blank", with each response's title its status text).
 	ProblemType string
+
+	// CancelWithClient cancels next's context when the client goes away, as net/http
+	// does. Default false: next runs to the end whatever the client does, because under
+	// an Idempotency-Key the client's retry is what reads the outcome (a replay, or a
+	// wait for the run in progress), and a handler cut off half-way would answer an error
+	// status that releases the key, so the retry ran the effect again. A deadline an outer
+	// handler set on the request's context still applies, and next's context is cancelled
+	// with cause [pgidem.ErrLeaseLost] either way.
+	CancelWithClient bool
 
 	// Logger receives the middleware's warnings and errors (a record the handler's
 	// response could not be stored in, an unexpected error). Default: the coordinator's
@@ -403,22 +417,25 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 //     and, when [Config.Store] accepts its status, is stored (status, body, the headers in
 //     [Config.ReplayHeaders]) for [Config.TTL]. A handler that returns without writing
 //     answers 200 (net/http's rule), and that is stored too: a handler that gives up
-//     (its client went away) without an answer to replay should write an error status or
-//     panic with [http.ErrAbortHandler];
+//     without an answer to replay should write an error status, or panic with
+//     [http.ErrAbortHandler] before it writes anything;
 //   - a retry with the key and the same fingerprint gets the stored response, marked
 //     Idempotent-Replayed: true, and next does not run;
 //   - a retry with a different fingerprint (another body, path, query or method): 422;
 //   - a retry while the first is still running: 409 with Retry-After in seconds (or a
 //     wait, [Config.InFlight]);
-//   - a response not stored (by default 5xx, 401, 403, 407, 408, 425 and 429; a panic, a
-//     hijacked connection, 101 Switching Protocols) releases the key: a retry runs next
-//     again.
+//   - a response not stored (by default 5xx, 401, 403, 407, 408, 425 and 429; a panic
+//     before any status, a hijacked connection, 101 Switching Protocols) releases the
+//     key: a retry runs next again. A panic after a status is stored by that status,
+//     without its body ([Config.Store]), and goes on.
 //
 // A response is stored as next wrote it: the status, the body (within
 // [Config.MaxResponseBytes]) and the headers in [Config.ReplayHeaders] as they were when
-// the status was sent; not trailers. A body is left out when a write of it failed (the
-// client went away, a write timeout): a replay never passes part of a body off as all of
-// it. It is also left out, and then the headers, when the record's JSON would be too long
+// the status was sent; not trailers. The body is what next wrote, whether or not it
+// reached the client; but when a write of it failed (the client went away, a write
+// timeout), it is left out unless next declared a Content-Length that it matches: a
+// replay never passes part of a body off as all of it (next may have stopped at the failed
+// write). It is also left out, and then the headers, when the record's JSON would be too long
 // for the coordinator ([pgidem.Config.MaxValueBytes]). A replay without the body it had
 // carries Idempotent-Body-Omitted: true ([HeaderBodyOmitted]).
 //
@@ -438,10 +455,12 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 // (503: the request is not run unprotected, unless the coordinator opted into
 // [pgidem.Config.FailOpen]). The body is read before Principal is called; Principal and
 // next may both read it, from memory. next runs with a context that carries the key
-// ([RequestKey], [ScopedKey]; [pgidem.KeyFromContext] gives the record's) and that is
-// cancelled when the client goes away (as net/http does; a handler whose effect is under
-// way may finish it on [context.WithoutCancel]), and with cause [pgidem.ErrLeaseLost] when
-// the record's lease cannot be kept (the store is unreachable, or another request took
+// ([RequestKey], [ScopedKey]; [pgidem.KeyFromContext] gives the record's), that the
+// client going away does not cancel (unless [Config.CancelWithClient]: the client's retry
+// reads the outcome, so next finishes its work; a deadline an outer handler set on the
+// request still applies, and a reservation or a wait before next runs still ends with
+// the client), and that is cancelled with cause [pgidem.ErrLeaseLost] when the record's
+// lease cannot be kept (the store is unreachable, or another request took
 // the key over). When next returns without writing and its response could not be stored,
 // the middleware answers for it: 409 with Retry-After when the key was taken over, else
 // 503 (code "outcome_unknown"). Under another Middleware (one wrapping another), a
@@ -519,20 +538,33 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	outer := w.Header().Clone() // what outer handlers set: kept if the middleware answers after next
 	ctx := context.WithValue(r.Context(), requestKeyContextKey{}, requestKey{namespace: m.config.Namespace, principal: principal, key: key, fingerprint: opts.Fingerprint})
 
+	ctx, start, stop := m.callContext(ctx)
+	defer stop()
 	var rec *recorder
+	var panicked any // next's panic after it sent a status, raised again once it is stored
 	res, err := pgidem.DoResult(ctx, m.coord, m.config.Namespace, recordKey, m.config.TTL, opts,
-		func(ctx context.Context) (json.RawMessage, error) {
+		func(ctx context.Context) (v json.RawMessage, err error) {
+			start()
 			rec = &recorder{ResponseWriter: w, max: m.config.MaxResponseBytes, replay: m.replay}
+			returned := false
+			defer func() {
+				if returned || !rec.wrote || rec.hijacked || rec.switched {
+					return // a panic before any status: it goes on, and the key is released
+				}
+				panicked = recover()
+				rec.omitBody()
+				v, err = m.stored(ctx, rec, recordKey)
+			}()
 			next.ServeHTTP(rec, r.WithContext(ctx))
+			returned = true
 			if rec.hijacked || rec.switched {
 				return nil, errNotStored
 			}
-			rec.finish()
-			if !m.config.Store(rec.stored.Status) {
-				return nil, errNotStored
-			}
-			return m.encode(ctx, rec, recordKey), nil
+			return m.stored(ctx, rec, recordKey)
 		})
+	if panicked != nil {
+		panic(panicked) // as net/http expects: it aborts the response
+	}
 	if rec != nil {
 		// next ran: the client has its response, unless next wrote nothing.
 		if err == nil || errors.Is(err, errNotStored) {
@@ -587,6 +619,47 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.problem(w, http.StatusInternalServerError, "internal_error", "Internal error",
 			"The request's Idempotency-Key could not be handled.", nil)
 	}
+}
+
+// stored returns the record's value for rec's response once next is done, or errNotStored
+// when [Config.Store] refuses its status.
+func (m *Middleware) stored(ctx context.Context, rec *recorder, recordKey string) (json.RawMessage, error) {
+	rec.finish()
+	if !m.config.Store(rec.stored.Status) {
+		return nil, errNotStored
+	}
+	return m.encode(ctx, rec, recordKey), nil
+}
+
+// callContext returns the context the call runs with, from the request's (ctx): unless
+// [Config.CancelWithClient], the client going away cancels it only until start is called
+// (when next starts), so a reservation or a wait still ends with the client but next runs
+// to the end. The request's deadline (an outer handler's) still applies, and the values
+// stay. stop releases it.
+func (m *Middleware) callContext(ctx context.Context) (call context.Context, start, stop func()) {
+	if m.config.CancelWithClient {
+		return ctx, func() {}, func() {}
+	}
+	call, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+	stopDeadline := context.CancelFunc(func() {})
+	if deadline, ok := ctx.Deadline(); ok {
+		call, stopDeadline = context.WithDeadline(call, deadline)
+	}
+	var mu sync.Mutex
+	running := false
+	stopAfter := context.AfterFunc(ctx, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if !running {
+			cancel(context.Cause(ctx))
+		}
+	})
+	start = func() {
+		mu.Lock()
+		defer mu.Unlock()
+		running = true
+	}
+	return call, start, func() { stopAfter(); stopDeadline(); cancel(nil) }
 }
 
 // readBody reads the request body whole, within Config.MaxRequestBytes, and puts it back
@@ -683,6 +756,9 @@ type recorder struct {
 	wrote    bool // a final status was sent
 	hijacked bool // the handler took the connection over
 	switched bool // 101 Switching Protocols: the connection is another protocol's now
+	failed   bool // a write or flush to the client failed
+	// declared is the Content-Length the handler set when it sent the status, or -1.
+	declared int64
 	stored   storedResponse
 	body     bytes.Buffer
 }
@@ -706,6 +782,10 @@ func (rec *recorder) WriteHeader(code int) {
 func (rec *recorder) capture(code int) {
 	rec.stored.Status = code
 	h := rec.ResponseWriter.Header()
+	rec.declared = -1
+	if n, err := strconv.ParseInt(h.Get("Content-Length"), 10, 64); err == nil && n >= 0 {
+		rec.declared = n
+	}
 	for _, name := range rec.replay {
 		for _, v := range h[name] {
 			if !utf8.ValidString(v) || strings.IndexByte(v, 0) >= 0 {
@@ -731,15 +811,17 @@ func (rec *recorder) Write(p []byte) (int, error) {
 	rec.implicitOK()
 	n, err := rec.ResponseWriter.Write(p)
 	switch {
+	case errors.Is(err, http.ErrBodyNotAllowed):
+		// A status that has no body (204, 304): net/http sends none, and neither does a
+		// replay; the response is whole.
 	case rec.stored.BodyOmitted:
-	case err != nil:
-		// The response did not reach the client whole (it went away, a write timeout,
-		// a TimeoutHandler outside): a replay must not pass part of it off as all of it.
-		rec.omitBody()
-	case rec.body.Len()+n > rec.max:
+	case rec.body.Len()+len(p) > rec.max:
 		rec.omitBody()
 	default:
-		rec.body.Write(p[:n])
+		// What the handler wrote, whether or not it reached the client (it went away, a
+		// write timeout): the retry is what reads it. finish decides whether it is whole.
+		rec.failed = rec.failed || err != nil
+		rec.body.Write(p)
 	}
 	return n, err
 }
@@ -749,7 +831,7 @@ func (rec *recorder) FlushError() error {
 	rec.implicitOK()
 	err := http.NewResponseController(rec.ResponseWriter).Flush()
 	if err != nil && !errors.Is(err, http.ErrNotSupported) {
-		rec.omitBody() // as for a failed Write
+		rec.failed = true // as for a failed Write
 	}
 	return err
 }
@@ -787,6 +869,12 @@ func (rec *recorder) omitBody() {
 func (rec *recorder) finish() {
 	if !rec.wrote {
 		rec.capture(http.StatusOK) // not sent yet: the middleware may still answer instead
+	}
+	if rec.failed && rec.declared != int64(rec.body.Len()) {
+		// The response did not reach the client whole, and nothing says the handler wrote
+		// all of it (it may have stopped at the failed write, as io.Copy does): a replay
+		// must not pass part of a body off as all of it.
+		rec.omitBody()
 	}
 	if rec.stored.BodyOmitted {
 		return

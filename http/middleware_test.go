@@ -452,7 +452,7 @@ func TestClientGone(t *testing.T) {
 			t.Parallel()
 			b := setup(t, nil)
 			var runs atomic.Int64
-			h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			h := b.handler(t, &pgidemhttp.Config{CancelWithClient: true}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				if runs.Add(1) == 1 {
 					<-r.Context().Done() // the client goes away
 					if abort {
@@ -487,6 +487,54 @@ func TestClientGone(t *testing.T) {
 			}
 		})
 	}
+}
+
+// By default the client going away does not cancel the handler: it finishes its work and
+// its response is stored, so the retry replays it and the effect runs once. The handler's
+// context used to be cancelled: a handler that honours it (a database call, a call to
+// another service) stopped half-way, answered 5xx, which released the key, and the retry
+// ran the effect again. A deadline an outer handler set still applies.
+func TestClientGoneHandlerFinishes(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var runs atomic.Int64
+	var handlerErr error
+	started, gone := make(chan struct{}), make(chan struct{})
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		close(started)
+		// The client leaves while the effect is under way; the effect observes the
+		// context, as a database or HTTP call does.
+		<-gone
+		_, handlerErr = b.db.Pool.Exec(r.Context(), "SELECT 1")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, `{"order":1}`)
+	}))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		<-started
+		cancel()
+		close(gone)
+	}()
+	serve(h, request("POST", "/orders", "alice", `"k"`, "x").WithContext(ctx))
+	require.NoError(t, handlerErr, "the handler's context is not cancelled with the client")
+	retry := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	require.Equal(t, http.StatusCreated, retry.Code)
+	require.Equal(t, "true", retry.Header().Get(pgidemhttp.HeaderReplayed))
+	require.JSONEq(t, `{"order":1}`, retry.Body.String())
+	require.Equal(t, int64(1), runs.Load())
+
+	// An outer handler's deadline still ends the handler's context.
+	dctx, dcancel := context.WithTimeout(context.Background(), time.Hour)
+	defer dcancel()
+	var deadline time.Time
+	h2 := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		deadline, _ = r.Context().Deadline()
+	}))
+	serve(h2, request("POST", "/orders", "alice", `"k2"`, "x").WithContext(dctx))
+	want, _ := dctx.Deadline()
+	require.Equal(t, want, deadline)
 }
 
 // A handler whose key is taken over while it runs (its lease could not be kept) and that
@@ -1016,4 +1064,101 @@ func TestNewValidatesConfig(t *testing.T) {
 	require.Equal(t, b.coord.Config().WaitTimeout, cfg.WaitTimeout, "the coordinator's, filled in")
 	require.EqualValues(t, pgidemhttp.MaxRequestBytesDefault, cfg.MaxRequestBytes)
 	require.Contains(t, cfg.ReplayHeaders, "Location")
+}
+
+// A handler that panics after it sent its status (httputil.ReverseProxy does, with
+// http.ErrAbortHandler, when copying the upstream's body fails) is stored by that status,
+// without its body: the client saw the status and the effect may have happened. The key
+// used to be released, and the retry ran the handler again. The panic still goes on.
+func TestPanicAfterStatusIsStored(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var runs atomic.Int64
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.Header().Set("Location", "/orders/1")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, `{"order":`)
+		panic(http.ErrAbortHandler)
+	}))
+	require.PanicsWithValue(t, http.ErrAbortHandler, func() { serve(h, request("POST", "/orders", "alice", `"k"`, "x")) })
+	replay := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	require.Equal(t, http.StatusCreated, replay.Code)
+	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderBodyOmitted), "part of a body is never replayed")
+	require.Empty(t, replay.Body.String())
+	require.Equal(t, "/orders/1", replay.Header().Get("Location"))
+	require.Equal(t, int64(1), runs.Load())
+
+	// A status Store refuses is still released, as is a panic before any status.
+	h = b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		if r.URL.Path == "/after500" {
+			w.WriteHeader(http.StatusInternalServerError)
+		}
+		panic(http.ErrAbortHandler)
+	}))
+	for _, path := range []string{"/after500", "/before"} {
+		runs.Store(0)
+		for range 2 {
+			require.Panics(t, func() { serve(h, request("POST", path, "alice", `"k-`+path+`"`, "x")) })
+		}
+		require.Equal(t, int64(2), runs.Load(), path)
+	}
+}
+
+// A 204 whose handler wrote a stray body (a JSON helper writing null): net/http refuses the
+// bytes, and the response is still stored whole, its headers with it. The refusal used to
+// count as a failed delivery: the ETag was dropped and the replay marked body-omitted.
+func TestNoContentWithStrayBody(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("ETag", `"v2"`)
+		w.WriteHeader(http.StatusNoContent)
+		_, err := io.WriteString(w, "null\n")
+		require.ErrorIs(t, err, http.ErrBodyNotAllowed)
+	}))
+	serve(h, request("PATCH", "/orders/1", "alice", `"k"`, "x"))
+	replay := serve(h, request("PATCH", "/orders/1", "alice", `"k"`, "x"))
+	require.Equal(t, http.StatusNoContent, replay.Code)
+	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, `"v2"`, replay.Header().Get("ETag"))
+	require.Empty(t, replay.Header().Get(pgidemhttp.HeaderBodyOmitted))
+}
+
+// brokenWriter is a ResponseWriter whose client went away: every body write fails.
+type brokenWriter struct{ *httptest.ResponseRecorder }
+
+func (w brokenWriter) Write([]byte) (int, error) { return 0, errors.New("write: broken pipe") }
+
+// A response whose writes failed (the client went away) is stored with the body the
+// handler wrote when it declared a Content-Length that body matches: the retry, which is
+// what reads it, gets the whole response. Without a declared length the body is left out
+// (the handler may have stopped at the failed write). Every failed write used to drop it.
+func TestFailedWritesStoredWhenWhole(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Query().Has("declared") {
+			w.Header().Set("Content-Length", "11")
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, `{"order":`)
+		_, _ = io.WriteString(w, `1}`)
+	}))
+	for _, tc := range []struct {
+		target, key, body, omitted string
+	}{
+		{"/orders?declared", `"k1"`, `{"order":1}`, ""},
+		{"/orders", `"k2"`, "", "true"},
+	} {
+		h.ServeHTTP(brokenWriter{httptest.NewRecorder()}, request("POST", tc.target, "alice", tc.key, "x"))
+		replay := serve(h, request("POST", tc.target, "alice", tc.key, "x"))
+		require.Equal(t, http.StatusCreated, replay.Code, tc.target)
+		require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed), tc.target)
+		require.Equal(t, tc.body, replay.Body.String(), tc.target)
+		require.Equal(t, tc.omitted, replay.Header().Get(pgidemhttp.HeaderBodyOmitted), tc.target)
+	}
 }

@@ -41,8 +41,10 @@ const (
 
 	// MaxValueBytesDefault is the default [Config.MaxValueBytes]: 16 MiB.
 	MaxValueBytesDefault = 16 << 20
-	// MaxValueBytesMax bounds [Config.MaxValueBytes]: 256 MiB, under jsonb's own limit on
-	// a document's size.
+	// MaxValueBytesMax bounds [Config.MaxValueBytes]: 256 MiB, about jsonb's own limit on
+	// a document's size. That limit applies to jsonb's binary form, which can be larger
+	// than the JSON text this bounds, so near it Postgres may still refuse a value: that is
+	// [ErrResultNotStorable], never a store error.
 	MaxValueBytesMax = 256 << 20
 
 	// SchemaMaxBytes is the longest [Config.Schema], in bytes: Postgres's identifier limit

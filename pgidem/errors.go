@@ -87,7 +87,8 @@ var (
 	ErrNotFound = errors.New("pgidem: record not found")
 
 	// ErrInvalidArgument means a setting or argument other than the key and the TTL is
-	// invalid: a [Config] field out of range ([NewCoordinator]), a nil coordinator, pool,
+	// invalid: a [Config] field out of range ([NewCoordinator]), a nil coordinator (given
+	// to [Do], [DoTx] or [DoInTx]; a method called on a nil *Coordinator panics), pool,
 	// transaction or fn (including [Coordinator.InboxHandle]'s fn and
 	// [Coordinator.InboxRecordTx]'s transaction), a [DoOpts] field other than Lease (an
 	// [*InvalidTTLError]) or a [SweepOpts] field out of range, a read-only transaction

@@ -421,13 +421,16 @@ func newOwner() pgtype.UUID {
 }
 
 // Lookup reads the record for (namespace, key) without changing it. It returns an
-// [*InvalidKeyError] for a key no call could have stored, [ErrNotFound] when there is no row, and the row (with Expired set) when it exists but has
-// expired. Database errors are returned as [*StoreError]. Safe for concurrent use.
+// [*InvalidKeyError] for a key no call could have stored, [ErrNotFound] when there is no
+// row, and the row (with Expired set) when it exists but has expired. Database errors are
+// returned as [*StoreError]; cancelling ctx returns an error matching ctx's instead. Safe
+// for concurrent use.
 func (c *Coordinator) Lookup(ctx context.Context, namespace, key string) (*Record, error) {
 	return c.lookup(ctx, c.pool, namespace, key)
 }
 
-// LookupTx is [Coordinator.Lookup] inside the caller's transaction.
+// LookupTx is [Coordinator.Lookup] inside the caller's transaction; like any statement on
+// a pgx.Tx, not concurrently with other uses of tx.
 func (c *Coordinator) LookupTx(ctx context.Context, tx pgx.Tx, namespace, key string) (*Record, error) {
 	return c.lookup(ctx, tx, namespace, key)
 }
@@ -447,12 +450,15 @@ const forgetAttempts = 3
 
 // Forget deletes the record for (namespace, key), so that the next call with the key runs
 // its effect again: an operator's tool for replaying an effect by hand after an incident
-// (the pgidem command's `records forget` runs it). It returns the record as it was
-// deleted. A record in progress under a live lease (and within its TTL) is refused with an
-// [*InProgressError] (matching [ErrInProgress]; RetryAfter is its remaining lease) unless
-// opts.Force is set: its holder may be running the effect right now. The check and the
-// delete are one statement, so a holder renewing or taking the record over at the same
-// moment is never deleted without Force.
+// (the pgidem command's `records forget` does the same with its own statement). It
+// returns the record as it was deleted. A record in progress under a live lease (and
+// within its TTL) is refused with an [*InProgressError] (matching [ErrInProgress];
+// RetryAfter is its remaining lease) unless opts.Force is set: its holder may be running
+// the effect right now. The check and the delete are one statement, so a holder renewing
+// or taking the record over at the same moment is never deleted without Force; a record
+// that such writes keep making live again is refused the same way after three attempts,
+// with a RetryAfter of 1 ms and no LeaseExpiresAt. Cancelling ctx returns an error
+// matching ctx's, not a store error.
 //
 // It returns an [*InvalidKeyError] for a key no call could have stored, [ErrNotFound]
 // when there is no row, and a [*StoreError] for a database error. Inbox rows are not

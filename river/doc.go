@@ -104,7 +104,8 @@
 //
 // # Housekeeping
 //
-// [NewSweepPeriodicJob] and [SweepWorker] delete expired records every five minutes on
-// the leader. [MigrateRiver] runs River's migrations under an advisory lock so that deploys
+// [NewSweepPeriodicJob] and [SweepWorker] delete expired records every five minutes: the
+// leader inserts the sweep job, and any client working its queue may run it (two at once
+// split the rows). [MigrateRiver] runs River's migrations under an advisory lock so that deploys
 // starting at once do not collide.
 package pgidemriver

@@ -81,9 +81,10 @@ type TTLWarning struct {
 // it is about a month, longer than [TTLDefault]: give effect jobs fewer attempts (with
 // RescueStuckJobsAfter above their longest run: on the last attempt River's rescuer
 // discards a job still running, see the package docs), a longer TTL ([TTLArgs],
-// [Config.TTL]), or shorter retention periods. Even one attempt with
-// River's default retention (24 h for completed jobs) needs a TTL above 25 h. A worker
-// that overrides NextRetry is not seen.
+// [Config.TTL]), or shorter retention periods. Even one attempt, with River's default
+// retention of discarded jobs (7 days, during which one can be retried by hand), needs a
+// TTL above 169 h (1 h to rescue plus 7 days). A worker that overrides NextRetry is not
+// seen.
 func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []TTLWarning {
 	if riverConfig == nil {
 		riverConfig = &river.Config{}

@@ -13,8 +13,10 @@ import (
 	"log/slog"
 	"maps"
 	"math"
+	"mime"
 	"net"
 	"net/http"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -73,7 +75,13 @@ type PrincipalFunc func(r *http.Request) (string, error)
 
 // FingerprintFunc returns the fingerprint of a request: bytes that are equal for two
 // requests exactly when they ask for the same thing. body is the whole request body,
-// already read (the handler still reads it from r.Body). r.Body must not be read.
+// already read (the handler still reads it from r.Body). r.Body must not be read. When a
+// handler outside the middleware parsed the form (Request.ParseForm of a URL-encoded
+// body, ParseMultipartForm), which consumes the body, body is the parsed form instead:
+// its values sorted by name, and each file's field name, file name, size and SHA-256. An
+// outer handler that reads the body any other way must put it back, or every request
+// would have the empty body's fingerprint. Called from the goroutine of each request, so
+// concurrently.
 type FingerprintFunc func(r *http.Request, body []byte) []byte
 
 // StorePolicyFunc reports whether a response with the given status code is stored in the
@@ -510,6 +518,15 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	if !ok {
 		return
 	}
+	fingerprinted := body
+	if form, parsed, err := parsedForm(r); parsed {
+		if err != nil {
+			m.problem(w, http.StatusBadRequest, "request_body_unreadable", "Request body unreadable",
+				"The request body could not be read.", nil)
+			return
+		}
+		fingerprinted = form
+	}
 	principal, err := m.config.Principal(r)
 	r.Body = io.NopCloser(bytes.NewReader(body)) // again, whether Principal read it or not
 	if err != nil || principal == "" {
@@ -523,7 +540,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 	opts := &pgidem.DoOpts{
-		Fingerprint: m.config.Fingerprint(r, body),
+		Fingerprint: m.config.Fingerprint(r, fingerprinted),
 		InFlight:    m.config.InFlight,
 		WaitTimeout: m.config.WaitTimeout,
 		// Most requests name a new key (a retry is the exception): the reserving insert
@@ -697,6 +714,45 @@ func (m *Middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, b
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
 	return body, true
+}
+
+// parsedForm returns a canonical encoding of the request's form when a handler outside the
+// middleware parsed it (Request.ParseForm for a URL-encoded body, ParseMultipartForm),
+// which consumed the body: the fingerprint is then computed over the form, or every such
+// request would have the empty body's and a different request would be replayed another's
+// response. The encoding has the form's values, sorted by name, and each file's field
+// name, file name, size and SHA-256. err is a file that could not be read.
+func parsedForm(r *http.Request) (form []byte, parsed bool, err error) {
+	var b bytes.Buffer
+	switch {
+	case r.MultipartForm != nil:
+		b.WriteString("multipart\n" + url.Values(r.MultipartForm.Value).Encode())
+		for _, name := range slices.Sorted(maps.Keys(r.MultipartForm.File)) {
+			for _, fh := range r.MultipartForm.File[name] {
+				h := sha256.New()
+				f, err := fh.Open()
+				if err == nil {
+					_, err = io.Copy(h, f)
+					f.Close()
+				}
+				if err != nil {
+					return nil, true, err
+				}
+				fmt.Fprintf(&b, "\n%d:%s %d:%s %d %x", len(name), name, len(fh.Filename), fh.Filename, fh.Size, h.Sum(nil))
+			}
+		}
+	case r.PostForm != nil:
+		// ParseForm sets PostForm for every request but reads the body only for a
+		// URL-encoded one.
+		mediaType, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+		if mediaType != "application/x-www-form-urlencoded" {
+			return nil, false, nil
+		}
+		b.WriteString("form\n" + r.PostForm.Encode())
+	default:
+		return nil, false, nil
+	}
+	return b.Bytes(), true, nil
 }
 
 // encode returns the record's JSON for a recorded response. When it would be longer than

@@ -1,12 +1,14 @@
 package pgidemhttp_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"math"
+	"mime/multipart"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -1161,4 +1163,54 @@ func TestFailedWritesStoredWhenWhole(t *testing.T) {
 		require.Equal(t, tc.body, replay.Body.String(), tc.target)
 		require.Equal(t, tc.omitted, replay.Header().Get(pgidemhttp.HeaderBodyOmitted), tc.target)
 	}
+}
+
+// A handler outside the middleware that parses the form (a CSRF check reading a form
+// field) consumes the body before the middleware reads it. The fingerprint is then taken
+// over the parsed form, so the same key with another form is 422, and the same form is
+// replayed. Every such request used to fingerprint as the empty body: a request for sku=B
+// was replayed the response to sku=A.
+func TestFormParsedOutside(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var runs atomic.Int64
+	inner := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, "order %d for %s", n, r.FormValue("sku"))
+	}))
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_ = r.ParseMultipartForm(1 << 20) // parses URL-encoded forms too
+		inner.ServeHTTP(w, r)
+	})
+	urlencoded := func(key, sku string) *http.Request {
+		r := request("POST", "/orders", "alice", key, "sku="+sku)
+		r.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		return r
+	}
+	multipartReq := func(key, sku, file string) *http.Request {
+		var body bytes.Buffer
+		mw := multipart.NewWriter(&body)
+		require.NoError(t, mw.WriteField("sku", sku))
+		f, err := mw.CreateFormFile("invoice", "invoice.txt")
+		require.NoError(t, err)
+		_, _ = io.WriteString(f, file)
+		require.NoError(t, mw.Close())
+		r := request("POST", "/orders", "alice", key, body.String())
+		r.Header.Set("Content-Type", mw.FormDataContentType())
+		return r
+	}
+
+	require.Equal(t, "order 1 for A", serve(h, urlencoded(`"k1"`, "A")).Body.String())
+	requireProblem(t, serve(h, urlencoded(`"k1"`, "B")), http.StatusUnprocessableEntity, "idempotency_key_reused")
+	replay := serve(h, urlencoded(`"k1"`, "A"))
+	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, "order 1 for A", replay.Body.String())
+
+	require.Equal(t, "order 2 for A", serve(h, multipartReq(`"k2"`, "A", "one")).Body.String())
+	requireProblem(t, serve(h, multipartReq(`"k2"`, "A", "two")), http.StatusUnprocessableEntity, "idempotency_key_reused")
+	requireProblem(t, serve(h, multipartReq(`"k2"`, "B", "one")), http.StatusUnprocessableEntity, "idempotency_key_reused")
+	replay = serve(h, multipartReq(`"k2"`, "A", "one"))
+	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, int64(2), runs.Load())
 }

@@ -125,8 +125,11 @@ func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 	return it.res, it.err
 }
 
-// reserveReq is one reserving insert: the call and the owner token it reserves with.
+// reserveReq is one reserving insert: the call, the owner token it reserves with, and its
+// caller's context (a reservation made for a caller whose context ended meanwhile is
+// released on the round's connection).
 type reserveReq struct {
+	ctx   context.Context
 	cl    *call
 	owner pgtype.UUID
 }
@@ -148,17 +151,19 @@ type completeReq struct {
 // ends with ctx: the leader then returns ctx's error (as a *notSentError) and every other
 // member runs alone (errRoundNotSent), waiting for a connection on its own context.
 func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserveReq, row]) {
-	ctx, conn, release, err := c.detachedConn(ctx, false)
+	ctx, cancel, conn, err := c.detachedConn(ctx, false)
 	if err != nil {
 		for i, it := range items {
 			it.res, it.err = row{}, err
-			if i > 0 && err.(*notSentError).callerEnded {
+			if i > 0 && err.(*notHeldError).callerEnded {
 				it.err = errRoundNotSent
 			}
 		}
 		return
 	}
-	defer release()
+	defer cancel()
+	defer conn.Release()
+	defer c.releaseEnded(ctx, conn, items)
 	if len(items) == 1 {
 		it := items[0]
 		cl := it.req.cl
@@ -212,6 +217,24 @@ func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserv
 		}
 		for _, it := range items {
 			it.res, it.err = row{}, err
+		}
+	}
+}
+
+// releaseEnded releases, on the round's connection q, the reservations the round made for
+// members whose context ended while it ran, which then return their context's error (a
+// *notHeldError): released later, on another connection, a full pool could keep the
+// release waiting and the key in progress for a lease. A member whose release fails keeps
+// its row, and acquire tries again.
+func (c *Coordinator) releaseEnded(ctx context.Context, q executor, items []*batchItem[reserveReq, row]) {
+	for _, it := range items {
+		callerErr := it.req.ctx.Err()
+		if it.err != nil || !it.res.inserted || callerErr == nil {
+			continue
+		}
+		err := c.finishOn(ctx, q, it.req.cl, it.req.owner, "release", c.sql.release)
+		if err == nil || errors.Is(err, errFinishNoRow) {
+			it.res, it.err = row{}, &notHeldError{err: callerErr, callerEnded: true}
 		}
 	}
 }

@@ -212,7 +212,7 @@ func reserveItems(t *testing.T, c *Coordinator, keys ...string) []*batchItem[res
 	for _, k := range keys {
 		cl, err := c.newCall("ns", k, time.Hour, nil)
 		require.NoError(t, err)
-		items = append(items, &batchItem[reserveReq, row]{req: reserveReq{cl: cl, owner: newOwner()}})
+		items = append(items, &batchItem[reserveReq, row]{req: reserveReq{ctx: context.Background(), cl: cl, owner: newOwner()}})
 	}
 	return items
 }
@@ -351,11 +351,33 @@ func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
 	items := reserveItems(t, c, "leader", "follower")
 	c.runReserves(leaderCtx, items)
 	require.ErrorIs(t, items[0].err, context.Canceled)
-	require.ErrorIs(t, endedWaiting(items[0].err), context.Canceled)
+	require.ErrorIs(t, callerEnded(items[0].err), context.Canceled)
 	require.ErrorIs(t, items[1].err, errRoundNotSent)
 	held.Release()
 	rec, err := c.Lookup(ctx, "ns", "leader")
 	require.ErrorIs(t, err, ErrNotFound, "%+v", rec)
+}
+
+// A member of a round whose context ended while the round ran gets its context's error,
+// and the reservation the round made for it is released on the round's connection before
+// the round gives it back; the other members keep theirs.
+func TestRoundReleasesMembersWhoseContextEnded(t *testing.T) {
+	c, _ := batchFixture(t)
+	ctx := context.Background()
+	items := reserveItems(t, c, "kept", "ended")
+	ended, cancel := context.WithCancel(ctx)
+	cancel()
+	items[1].req.ctx = ended
+	c.runReserves(ctx, items)
+	require.NoError(t, items[0].err)
+	require.True(t, items[0].res.inserted)
+	require.ErrorIs(t, items[1].err, context.Canceled)
+	require.ErrorIs(t, callerEnded(items[1].err), context.Canceled)
+	rec, err := c.Lookup(ctx, "ns", "kept")
+	require.NoError(t, err)
+	require.Equal(t, StatusInProgress, rec.Status)
+	rec, err = c.Lookup(ctx, "ns", "ended")
+	require.ErrorIs(t, err, ErrNotFound, "released: a first reservation is deleted (%+v)", rec)
 }
 
 func TestRoundDoesNotWaitBehindAnOpenTransaction(t *testing.T) {

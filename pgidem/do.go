@@ -309,10 +309,11 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			}
 		}
 		rounds++
-		detached := false // err is the reserving write's, not the read's
+		detached := false      // err is the reserving write's, not the read's
+		var held *pgxpool.Conn // the connection a reservation was made on, if still held
 		if errors.Is(err, pgx.ErrNoRows) {
 			var refused bool
-			r, refused, err = c.reserveWrite(ctx, c.sql.reserve, cl)
+			r, held, refused, err = c.reserveWrite(ctx, c.sql.reserve, cl)
 			detached = true
 			if err == nil || refused || !isConnectError(err) {
 				// The statement reached the store: it may have reserved the key or found
@@ -330,7 +331,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 				continue
 			}
 		}
-		if ctxErr := endedWaiting(err); ctxErr != nil {
+		if ctxErr := callerEnded(err); ctxErr != nil {
 			return acq, ctxErr
 		}
 		if err != nil {
@@ -343,14 +344,12 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			return acq, c.logStoreError(errCtx, cl, storeError("reserve", err))
 		}
 		if r.inserted {
-			if ok, err := c.freshLease(ctx, cl, &r); err != nil || !ok {
-				if err != nil {
-					return acq, err
-				}
+			ok, err := c.keepReservation(ctx, held, cl, &r)
+			if err == nil && !ok {
 				continue // taken over before fn started: read again
 			}
-			acq.held, acq.row = true, r
-			return acq, c.releaseIfCancelled(ctx, cl, r.owner)
+			acq.held, acq.row = ok, r
+			return acq, err
 		}
 		acq.answered = true
 
@@ -359,11 +358,11 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		}
 
 		if r.available() {
-			t, _, err := c.reserveWrite(ctx, c.sql.takeover, cl)
+			t, held, _, err := c.reserveWrite(ctx, c.sql.takeover, cl)
 			if errors.Is(err, pgx.ErrNoRows) || isSerializationFailure(err) {
 				continue // another caller took it over first (or it was deleted): read again
 			}
-			if ctxErr := endedWaiting(err); ctxErr != nil {
+			if ctxErr := callerEnded(err); ctxErr != nil {
 				return acq, ctxErr
 			}
 			if err != nil { // the takeover ran on a context of its own, as the insert did
@@ -372,11 +371,12 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			if t.recovered { // the takeover's reply was lost: it counted an attempt, or not
 				t.tookOver = t.attempts == r.attempts+1
 			}
-			if ok, err := c.freshLease(ctx, cl, &t); err != nil || !ok {
-				if err != nil {
-					return acq, err
-				}
+			ok, err := c.keepReservation(ctx, held, cl, &t)
+			if err == nil && !ok {
 				continue // taken over again before fn started: read again
+			}
+			if err != nil {
+				return acq, err
 			}
 			acq.held, acq.row = true, t
 			if t.tookOver {
@@ -385,7 +385,7 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 					slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", t.attempts))
 				c.emit(ctx, EventTakenOver, cl.namespace, 1)
 			}
-			return acq, c.releaseIfCancelled(ctx, cl, t.owner)
+			return acq, nil
 		}
 
 		if r.status != StatusInProgress {
@@ -474,6 +474,11 @@ func (w *waiter) inProgress(ctx context.Context, r *row) error {
 // Each call makes a fresh owner token; a row the statement reserved carries it. Reserving
 // inserts of concurrent calls share a statement (batch.go).
 //
+// held, when not nil, is the connection the call's own statement reserved on; the caller
+// gives it back (keepReservation), having renewed or released the reservation on it. A
+// reservation made by a shared round comes without one: the round released it already if
+// the caller's context had ended (releaseEnded).
+//
 // refused reports that a shared round reached the server and was refused before the call
 // ran its own statement, or that a write may have committed with its reply lost: the store
 // answered (or may hold this call's reservation), so failing open is no longer allowed even
@@ -483,13 +488,13 @@ func (w *waiter) inProgress(ctx context.Context, r *row) error {
 // abandoned: the row then carries this call's owner token, which no other call has. The
 // call reads the row and, finding its token in progress, holds the reservation it made
 // (recovered); otherwise it runs its statement again, once.
-func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r row, refused bool, err error) {
+func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r row, held *pgxpool.Conn, refused bool, err error) {
 	owner := newOwner()
 	unknown := false // an earlier attempt with owner may have committed
 	// Any reservation this call makes is granted by a statement sent after this moment.
 	defer func(sent time.Time) { r.leaseFrom = sent }(time.Now())
 	if sql == c.sql.reserve && c.config.MaxBatch > 1 {
-		r, err := c.reserves.do(ctx, reserveReq{cl: cl, owner: owner})
+		r, err := c.reserves.do(ctx, reserveReq{ctx: ctx, cl: cl, owner: owner})
 		switch {
 		case err == errRoundNotSent: // the round's leader gave up waiting for a connection
 		case err == errBatchFallback:
@@ -497,25 +502,34 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 		case replyLost(err):
 			unknown, refused = true, true
 		default:
-			return r, false, err
+			return r, nil, false, err
 		}
 	}
 	// The first statement runs on a connection acquired while ctx lasts (unless an earlier
 	// write may have committed: then the call must find out, whatever ctx does); a retry
 	// after a lost reply gives it back and runs on any connection of the pool.
-	ctx, conn, release, err := c.detachedConn(ctx, unknown)
+	wctx, cancel, conn, err := c.detachedConn(ctx, unknown)
 	if err != nil {
-		return row{}, refused, err
+		return row{}, nil, refused, err
 	}
-	defer release()
+	defer cancel()
+	// The connection stays with the caller while it holds a reservation made on it, so
+	// that renewing or releasing it before fn runs needs no other (keepReservation).
+	defer func() {
+		if err != nil || !ownedBy(&r, owner) {
+			conn.Release()
+			held = nil
+		}
+	}()
+	held = conn
 	var q executor = conn
 	for attempt := 0; ; attempt++ {
 		if unknown {
-			if mine, ok, err := c.ownReservation(ctx, q, cl, owner); err != nil || ok {
-				return mine, refused, err
+			if mine, ok, err := c.ownReservation(wctx, q, cl, owner); err != nil || ok {
+				return mine, held, refused, err
 			}
 		}
-		r, err = c.reserveOne(ctx, q, sql, cl, owner)
+		r, err = c.reserveOne(wctx, q, sql, cl, owner)
 		if unknown && err == nil && !r.inserted && ownedBy(&r, owner) {
 			// The first write committed after the read above (it was still running on the
 			// server, behind a lock): the insert finds its own row.
@@ -524,28 +538,27 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 		if unknown && errors.Is(err, pgx.ErrNoRows) {
 			// Or this write waited for the first one to finish and then matched nothing:
 			// look once more, now that the first is done.
-			if mine, ok, rerr := c.ownReservation(ctx, q, cl, owner); rerr != nil || ok {
-				return mine, refused, rerr
+			if mine, ok, rerr := c.ownReservation(wctx, q, cl, owner); rerr != nil || ok {
+				return mine, held, refused, rerr
 			}
 		}
 		if attempt > 0 || !replyLost(err) {
-			return r, refused, err
+			return r, held, refused, err
 		}
 		unknown, refused = true, true
 		conn.Release() // the connection may be broken; with a pool of one, the retry needs it
-		q = c.pool
+		held, q = nil, c.pool
 	}
 }
 
 // detachedConn acquires a pool connection for a write that must finish once sent: the
-// write runs on the returned context, detached from ctx and bounded by FinishTimeout
-// (counted from this call). Waiting for a free connection sends nothing, so unless
-// mustFinish that wait also ends with ctx: err is then a *notSentError holding ctx's
-// error. A wait that outlasts FinishTimeout, or a connection that cannot be made, returns
-// a *notSentError holding the pool's error. release gives the connection back and ends
-// the returned context.
-func (c *Coordinator) detachedConn(ctx context.Context, mustFinish bool) (wctx context.Context, conn *pgxpool.Conn, release func(), err error) {
-	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
+// write runs on wctx, detached from ctx and bounded by FinishTimeout (counted from this
+// call), until cancel. Waiting for a free connection sends nothing, so unless mustFinish
+// that wait also ends with ctx: err is then a *notHeldError holding ctx's error. A wait
+// that outlasts FinishTimeout, or a connection that cannot be made, returns a
+// *notHeldError holding the pool's error. The caller releases conn.
+func (c *Coordinator) detachedConn(ctx context.Context, mustFinish bool) (wctx context.Context, cancel context.CancelFunc, conn *pgxpool.Conn, err error) {
+	wctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	actx := wctx
 	if !mustFinish {
 		deadline, _ := wctx.Deadline()
@@ -557,11 +570,35 @@ func (c *Coordinator) detachedConn(ctx context.Context, mustFinish bool) (wctx c
 	if err != nil {
 		cancel()
 		if ctxErr := ctx.Err(); ctxErr != nil && !mustFinish {
-			return nil, nil, nil, &notSentError{err: ctxErr, callerEnded: true}
+			return nil, nil, nil, &notHeldError{err: ctxErr, callerEnded: true}
 		}
-		return nil, nil, nil, &notSentError{err: err}
+		return nil, nil, nil, &notHeldError{err: err}
 	}
-	return wctx, conn, func() { conn.Release(); cancel() }, nil
+	return wctx, cancel, conn, nil
+}
+
+// keepReservation readies a reservation just made (r) for fn, on held, the connection it
+// was made on (nil: any of the pool's), which it then gives back: it releases the
+// reservation when ctx ended meanwhile, returning ctx's error, and renews a lease that
+// may be short (freshLease). ok is false when the reservation is no longer cl's (the
+// caller reads the key again) or err is set.
+func (c *Coordinator) keepReservation(ctx context.Context, held *pgxpool.Conn, cl *call, r *row) (ok bool, err error) {
+	var q executor = c.pool
+	if held != nil {
+		q = held
+		defer held.Release()
+	}
+	if err := c.releaseIfCancelled(ctx, q, cl, r.owner); err != nil {
+		return false, err
+	}
+	if ok, err := c.freshLease(ctx, q, cl, r); err != nil || !ok {
+		return false, err
+	}
+	// ctx may have ended while the lease was renewed.
+	if err := c.releaseIfCancelled(ctx, q, cl, r.owner); err != nil {
+		return false, err
+	}
+	return true, nil
 }
 
 // freshLease renews a lease just granted to cl (r) before fn starts, when a third of it
@@ -571,21 +608,21 @@ func (c *Coordinator) detachedConn(ctx context.Context, mustFinish bool) (wctx c
 // another caller could then take the key over while fn starts. It returns false when the
 // reservation is no longer cl's (the caller reads the key again), and a store error when
 // the renewal failed — after releasing the reservation, so no caller waits a lease for it.
-func (c *Coordinator) freshLease(ctx context.Context, cl *call, r *row) (bool, error) {
+func (c *Coordinator) freshLease(ctx context.Context, q executor, cl *call, r *row) (bool, error) {
 	if time.Since(r.leaseFrom) < cl.lease/3 {
 		return true, nil
 	}
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
 	sent := time.Now()
-	tag, err := c.pool.Exec(wctx, c.sql.heartbeat, cl.namespace, cl.key, r.owner, micros(cl.lease), micros(cl.ttl))
+	tag, err := q.Exec(wctx, c.sql.heartbeat, cl.namespace, cl.key, r.owner, micros(cl.lease), micros(cl.ttl))
 	switch {
 	case tag.RowsAffected() == 0 && err == nil, isSerializationFailure(err):
 		// Taken over meanwhile (under a stricter default isolation the server says so
 		// with a serialization failure): read the key again.
 		return false, nil
 	case err != nil:
-		_ = c.finish(ctx, cl, r.owner, "release", c.sql.release)
+		_ = c.finishOn(ctx, q, cl, r.owner, "release", c.sql.release)
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return false, ctxErr
 		}
@@ -642,11 +679,11 @@ func (c *Coordinator) reserveOne(ctx context.Context, q executor, sql string, cl
 
 // releaseIfCancelled gives back a reservation just made when the caller's context ended
 // while it was being made, and returns the context's error; otherwise nil.
-func (c *Coordinator) releaseIfCancelled(ctx context.Context, cl *call, owner pgtype.UUID) error {
+func (c *Coordinator) releaseIfCancelled(ctx context.Context, q executor, cl *call, owner pgtype.UUID) error {
 	if ctx.Err() == nil {
 		return nil
 	}
-	_ = c.finish(ctx, cl, owner, "release", c.sql.release)
+	_ = c.finishOn(ctx, q, cl, owner, "release", c.sql.release)
 	return ctx.Err()
 }
 
@@ -935,6 +972,12 @@ var errFinishNoRow = errors.New("pgidem: reservation no longer owned")
 // attempt's delete) and a *StoreError when the store kept failing (the lease expiry then
 // lets a later delivery decide).
 func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, op, sql string, extra ...any) error {
+	return c.finishOn(ctx, c.pool, cl, owner, op, sql, extra...)
+}
+
+// finishOn is finish with its first attempt on q (a connection the caller holds); later
+// attempts run on any of the pool's, since q may be what failed.
+func (c *Coordinator) finishOn(ctx context.Context, q executor, cl *call, owner pgtype.UUID, op, sql string, extra ...any) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
 	args := append([]any{cl.namespace, cl.key, owner}, extra...)
@@ -944,7 +987,8 @@ func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, o
 	maybeApplied := false // an earlier attempt may have reached the server and committed
 	for attempt := 0; ; attempt++ {
 		var tag pgconn.CommandTag
-		tag, err = c.pool.Exec(ctx, sql, args...)
+		tag, err = q.Exec(ctx, sql, args...)
+		q = c.pool
 		if err == nil {
 			if tag.RowsAffected() == 0 && !(op == "release" && maybeApplied) {
 				// A release that finds no row after an attempt that may have committed was

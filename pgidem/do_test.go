@@ -777,6 +777,68 @@ func TestPoolExhaustedBeforeFn(t *testing.T) {
 	}
 }
 
+// A caller whose context ends while its reserving statement waits on the server (behind an
+// open transaction's record for the key), on a pool whose only connection another
+// goroutine is queued for, releases the reservation its statement then makes on that same
+// connection. The release used to need a second connection: the queued goroutine got the
+// freed one, the release failed after FinishTimeout, and the key stayed in progress for a
+// lease, then counted a takeover (attempts 2) that never was.
+func TestCancelledReservationReleasedOnItsConnection(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for _, maxBatch := range []int{1, 0} {
+		t.Run(fmt.Sprintf("MaxBatch%d", maxBatch), func(t *testing.T) { // one at a time: the wait below counts the database's waiters
+			key := fmt.Sprint("k", maxBatch)
+			pool := b.newPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+			coord := b.newCoordOn(t, pool, &pgidem.Config{MaxBatch: maxBatch, FinishTimeout: time.Second})
+			tx, err := b.db.Pool.Begin(b.ctx)
+			require.NoError(t, err)
+			defer func() { _ = tx.Rollback(b.ctx) }()
+			_, err = tx.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, lease_expires_at, expires_at)
+				VALUES ('mail', $1, 'in_progress', gen_random_uuid(), now() + interval '1 minute', now() + interval '1 hour')`, key)
+			require.NoError(t, err)
+
+			ctx, cancel := context.WithCancel(b.ctx)
+			done := make(chan error, 1)
+			go func() {
+				_, err := pgidem.Do(ctx, coord, "mail", key, testTTL, &pgidem.DoOpts{ReserveFirst: true},
+					func(context.Context) (int, error) { return 1, nil })
+				done <- err
+			}()
+			// The reserving insert waits for the open transaction: under batching, its own
+			// statement, once the shared round gave up at its lock timeout.
+			require.Eventually(t, func() bool {
+				var waiting int
+				err := b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
+					WHERE datname = current_database() AND wait_event_type = 'Lock'
+						AND query NOT LIKE '%set_config(''lock_timeout''%'`).Scan(&waiting)
+				return err == nil && waiting == 1
+			}, 30*time.Second, 5*time.Millisecond)
+			hogged := make(chan *pgxpool.Conn, 1)
+			go func() {
+				conn, err := pool.Acquire(b.ctx) // queued for the only connection
+				if err != nil {
+					conn = nil
+				}
+				hogged <- conn
+			}()
+			time.Sleep(100 * time.Millisecond) // lets the goroutine queue (the test passes either way once fixed)
+			cancel()
+			require.NoError(t, tx.Rollback(b.ctx)) // the insert now reserves the key
+			require.ErrorIs(t, <-done, context.Canceled)
+			if conn := <-hogged; conn != nil {
+				conn.Release()
+			}
+			rec, err := coord.Lookup(b.ctx, "mail", key)
+			if err == nil {
+				require.NotEqual(t, pgidem.StatusInProgress, rec.Status, "the reservation was left in progress (%+v)", rec)
+			} else {
+				require.ErrorIs(t, err, pgidem.ErrNotFound)
+			}
+		})
+	}
+}
+
 func TestBackendTerminatedDuringFn(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

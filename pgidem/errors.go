@@ -291,23 +291,25 @@ func mayHaveApplied(err error) bool {
 	return true
 }
 
-// notSentError is a failure to obtain a pool connection for a write: nothing was sent, so
-// nothing can have been applied (SafeToRetry). callerEnded reports that the wait ended with
-// the caller's context, and err is then that context's error.
-type notSentError struct {
+// notHeldError is the outcome of a reserving write that leaves the call holding nothing
+// although it may have run: it never got a pool connection (nothing was sent, err is the
+// pool's error or, when callerEnded, the caller's context error), or, callerEnded, its
+// caller's context ended while it ran and the reservation it made was released on the
+// same connection. Nothing of it is left applied (SafeToRetry).
+type notHeldError struct {
 	err         error
 	callerEnded bool
 }
 
-func (e *notSentError) Error() string     { return e.err.Error() }
-func (e *notSentError) Unwrap() error     { return e.err }
-func (e *notSentError) SafeToRetry() bool { return true }
+func (e *notHeldError) Error() string     { return e.err.Error() }
+func (e *notHeldError) Unwrap() error     { return e.err }
+func (e *notHeldError) SafeToRetry() bool { return true }
 
-// endedWaiting returns the caller's context error when err is a wait for a pool
-// connection that the caller's context cut short (nothing was sent), else nil.
-func endedWaiting(err error) error {
-	if ns := (*notSentError)(nil); errors.As(err, &ns) && ns.callerEnded {
-		return ns.err
+// callerEnded returns the caller's context error when err is a reserving write that its
+// caller's context ended (holding nothing), else nil.
+func callerEnded(err error) error {
+	if nh := (*notHeldError)(nil); errors.As(err, &nh) && nh.callerEnded {
+		return nh.err
 	}
 	return nil
 }

@@ -71,6 +71,7 @@ const (
 // middleware has a caller. An error, or an empty principal, is therefore a server fault:
 // the middleware answers 500 (code "principal_unknown"), logs the error and does not run
 // the handler. Any string is a valid principal; records hold a digest of it ([RecordKey]).
+// Called from the goroutine of each request, so concurrently.
 type PrincipalFunc func(r *http.Request) (string, error)
 
 // FingerprintFunc returns the fingerprint of a request: bytes that are equal for two
@@ -86,7 +87,8 @@ type FingerprintFunc func(r *http.Request, body []byte) []byte
 
 // StorePolicyFunc reports whether a response with the given status code is stored in the
 // record and replayed to retries. A response that is not stored releases the key, so a
-// retry with it runs the handler again.
+// retry with it runs the handler again. Called from the goroutine of each request, so
+// concurrently.
 type StorePolicyFunc func(status int) bool
 
 // StoreDefault is the default [Config.Store]: every status is stored except 5xx (a server
@@ -130,7 +132,9 @@ type Config struct {
 
 	// Namespace is the record namespace of every request (see [RecordKey] for the key).
 	// Give two APIs on one database different namespaces if their callers' keys must not
-	// meet. Default [NamespaceDefault] ("http").
+	// meet. Default [NamespaceDefault] ("http"). [New] refuses one that is not UTF-8, holds
+	// a control character or is longer than the coordinator's
+	// [pgidem.Config.MaxNamespaceBytes].
 	Namespace string
 
 	// TTL is how long a response is replayed after it was stored; a retry after that runs
@@ -146,12 +150,14 @@ type Config struct {
 	// Methods are the request methods the middleware applies to, in upper case; other
 	// requests pass to the handler untouched, with or without a key. Default POST and PATCH, the
 	// non-idempotent methods the draft is for (GET, PUT and DELETE are idempotent by
-	// definition, RFC 9110 section 9.2.2).
+	// definition, RFC 9110 section 9.2.2), when nil; [New] refuses an empty non-nil list and
+	// a method not in upper case.
 	Methods []string
 
 	// MaxRequestBytes bounds the request body, in bytes, which the middleware reads whole
 	// to fingerprint it before the handler runs. A longer body is answered 413 and the
-	// handler is not run. Default [MaxRequestBytesDefault] (1 MiB).
+	// handler is not run. Default [MaxRequestBytesDefault] (1 MiB); [New] refuses a
+	// negative one.
 	MaxRequestBytes int64
 
 	// MaxResponseBytes bounds the response body stored for replay, in bytes. A longer
@@ -160,7 +166,8 @@ type Config struct {
 	// happens when the record's JSON would be longer than the coordinator's
 	// [pgidem.Config.MaxValueBytes] (16 MiB by default): a body is stored as JSON text when
 	// it is UTF-8 (where a control or HTML character takes a six-byte escape), else as
-	// base64 (4/3 of its size). Default [MaxResponseBytesDefault] (1 MiB).
+	// base64 (4/3 of its size). Default [MaxResponseBytesDefault] (1 MiB); [New] refuses a
+	// negative one.
 	MaxResponseBytes int
 
 	// ReplayHeaders are the response headers stored and replayed (an allowlist: the draft
@@ -169,7 +176,8 @@ type Config struct {
 	// nor replayed, nor are trailers. A value that is not UTF-8 or holds a NUL cannot be
 	// stored in the record's JSON and is left out. Default: Cache-Control,
 	// Content-Encoding, Content-Language, Content-Location, Content-Type, ETag, Expires,
-	// Last-Modified, Link, Location, Retry-After, Vary, Allow.
+	// Last-Modified, Link, Location, Retry-After, Vary, Allow, when nil; an empty non-nil
+	// list stores no header.
 	ReplayHeaders []string
 
 	// Store decides which responses are stored and replayed. Default [StoreDefault]

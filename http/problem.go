@@ -40,6 +40,9 @@ type Problem struct {
 	//   - "principal_unknown" (500): [Config.Principal] named no caller (a server fault,
 	//     logged);
 	//   - "internal_error" (500): anything else, logged.
+	//
+	// A request whose client went away before the handler ran is answered a bare 503,
+	// without a problem: nobody reads it.
 	Code string `json:"code"`
 }
 

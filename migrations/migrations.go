@@ -84,6 +84,12 @@ var ErrManagedElsewhere = errors.New("pgidem: migrations: pgidem's tables are ma
 // drops a table that holds rows. Nothing is rolled back.
 var ErrDataLoss = errors.New("pgidem: migrations: refused: the rollback would drop rows")
 
+// ErrInvalidArgument is matched by the error of a call given an argument it cannot use: a
+// nil *sql.DB, an Opts.Schema or OpenDB schema that [CheckSchemaName] refuses, a negative
+// version for [DownTo]. Nothing is run. (The package cannot import pgidem, whose
+// pgidem.ErrInvalidArgument is the same idea.)
+var ErrInvalidArgument = errors.New("pgidem: migrations: invalid argument")
+
 // FS returns the migration files: goose SQL files named NNNNN_description.sql at the root
 // of the returned file system. It is read only and safe for concurrent use.
 func FS() fs.FS {
@@ -95,7 +101,7 @@ func FS() fs.FS {
 	return sub
 }
 
-// Opts are optional settings for [NewProvider], [Up], [Down], [DownTo], [Reset] and [Status]. A nil
+// Opts are optional settings for [NewProvider], [Up], [Down], [DownTo], [Reset], [Status] and [Installed]. A nil
 // *Opts means all defaults.
 type Opts struct {
 	// Schema, when non-empty, is the schema pgidem's tables and version table live in. It
@@ -157,7 +163,7 @@ func CheckSchemaName(schema string) error {
 // checkSchemaName is [CheckSchemaName] with the field's name in the error.
 func checkSchemaName(field, schema string) error {
 	if err := CheckSchemaName(schema); err != nil {
-		return fmt.Errorf("pgidem: migrations: %s %w", field, err)
+		return fmt.Errorf("%w: %s %w", ErrInvalidArgument, field, err)
 	}
 	return nil
 }
@@ -244,7 +250,7 @@ func sessionLocker() (lock.SessionLocker, error) {
 // GetDBVersion take it).
 func newProvider(ctx context.Context, db *sql.DB, opts *Opts, locker lock.SessionLocker) (*goose.Provider, error) {
 	if db == nil {
-		return nil, errors.New("pgidem: migrations: db is nil")
+		return nil, fmt.Errorf("%w: db is nil", ErrInvalidArgument)
 	}
 	if opts == nil {
 		opts = &Opts{}
@@ -530,10 +536,10 @@ func Reset(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResul
 // is false) it does nothing and creates nothing. It holds [LockID] like [Up], returns the
 // errors of [NewProvider] (a missing Opts.Schema among them) and, like [Down], refuses a
 // database at a version newer than this build's latest migration. A negative version
-// returns an error. Cancelling ctx and concurrent use are as for [Down].
+// returns an error matching [ErrInvalidArgument]. Cancelling ctx and concurrent use are as for [Down].
 func DownTo(ctx context.Context, db *sql.DB, opts *Opts, version int64) ([]*goose.MigrationResult, error) {
 	if version < 0 {
-		return nil, fmt.Errorf("pgidem: migrations: down: version %d is negative", version)
+		return nil, fmt.Errorf("%w: DownTo: version %d is negative", ErrInvalidArgument, version)
 	}
 	return down(ctx, db, opts, version, false)
 }

@@ -254,11 +254,14 @@ func TestSchemaNameValidation(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := migrations.OpenDB(tdb.URL, tc.schema)
 			require.ErrorContains(t, err, tc.want)
+			require.ErrorIs(t, err, migrations.ErrInvalidArgument)
 			_, err = migrations.Up(ctx, open(t, tdb.URL, ""), &migrations.Opts{Schema: tc.schema})
 			require.ErrorContains(t, err, tc.want)
 			require.ErrorContains(t, err, "Opts.Schema")
+			require.ErrorIs(t, err, migrations.ErrInvalidArgument)
 			_, err = migrations.Status(ctx, open(t, tdb.URL, ""), &migrations.Opts{Schema: tc.schema})
 			require.ErrorContains(t, err, tc.want)
+			require.ErrorIs(t, err, migrations.ErrInvalidArgument)
 		})
 	}
 	// The longest name works, unchanged.
@@ -357,6 +360,23 @@ func TestUpWaitsForLockUnderStatementTimeout(t *testing.T) {
 			require.NoError(t, err)
 		})
 	}
+}
+
+// Arguments no call can use return an error matching ErrInvalidArgument, before anything
+// runs: a nil db, a negative DownTo version.
+func TestInvalidArguments(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, err := migrations.Up(ctx, nil, nil)
+	require.ErrorIs(t, err, migrations.ErrInvalidArgument)
+	_, err = migrations.Status(ctx, nil, nil)
+	require.ErrorIs(t, err, migrations.ErrInvalidArgument)
+	tdb := testdb.NewUnmigrated(t)
+	_, err = migrations.DownTo(ctx, open(t, tdb.URL, ""), nil, -1)
+	require.ErrorIs(t, err, migrations.ErrInvalidArgument)
+	installed, err := migrations.Installed(ctx, open(t, tdb.URL, ""), nil)
+	require.NoError(t, err)
+	require.False(t, installed, "nothing ran")
 }
 
 func TestCheckSchemaName(t *testing.T) {

@@ -17,7 +17,6 @@ package pgidemotel
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -48,8 +47,9 @@ const (
 	NamespaceAttribute = "pgidem.namespace"
 )
 
-// Hook adds each [pgidem.Event] to an OpenTelemetry counter. Create it with [NewHook]. It
-// is safe for concurrent use, as [pgidem.Hook] requires.
+// Hook adds each [pgidem.Event] to an OpenTelemetry counter. Create it with [NewHook]; a
+// zero Hook (or a nil *Hook) counts nothing. It is safe for concurrent use, as
+// [pgidem.Hook] requires.
 type Hook struct {
 	events, swept metric.Int64Counter
 }
@@ -57,11 +57,11 @@ type Hook struct {
 var _ pgidem.Hook = (*Hook)(nil)
 
 // NewHook creates the [EventsMetric] and [SweptMetric] counters on a meter named
-// [MeterName] from provider. It returns an error when provider is nil or a counter cannot
-// be created.
+// [MeterName] from provider. It returns an error matching [pgidem.ErrInvalidArgument]
+// when provider is nil, and the provider's error when a counter cannot be created.
 func NewHook(provider metric.MeterProvider) (*Hook, error) {
 	if provider == nil {
-		return nil, errors.New("pgidemotel: NewHook: provider is nil")
+		return nil, fmt.Errorf("pgidemotel: NewHook: provider is nil: %w", pgidem.ErrInvalidArgument)
 	}
 	meter := provider.Meter(MeterName)
 	events, err := meter.Int64Counter(EventsMetric,
@@ -82,6 +82,9 @@ func NewHook(provider metric.MeterProvider) (*Hook, error) {
 // OnEvent adds event.Count to [SweptMetric] for [pgidem.EventSwept], and to
 // [EventsMetric] with the kind and namespace attributes for every other kind.
 func (h *Hook) OnEvent(ctx context.Context, event pgidem.Event) {
+	if h == nil || h.events == nil {
+		return
+	}
 	if event.Kind == pgidem.EventSwept {
 		h.swept.Add(ctx, event.Count)
 		return

@@ -73,5 +73,8 @@ func TestHookCountsOutcomes(t *testing.T) {
 		"invalid_key ": 1, "swept rows": 1}, got, "a rejected namespace is not an attribute value")
 
 	_, err = pgidemotel.NewHook(nil)
-	require.Error(t, err)
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	var zero pgidemotel.Hook // counts nothing rather than panic
+	zero.OnEvent(context.Background(), pgidem.Event{Kind: pgidem.EventExecuted, Namespace: "mail", Count: 1})
+	(*pgidemotel.Hook)(nil).OnEvent(context.Background(), pgidem.Event{Kind: pgidem.EventSwept, Count: 1})
 }

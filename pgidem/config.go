@@ -155,8 +155,8 @@ type Config struct {
 	// flight queue and share the next statement: one round trip and one commit for many
 	// keys, in a transaction of its own with a 50 ms lock_timeout (a batch that waits
 	// longer on one key, or that the server refuses, rolls back and its calls run one by
-	// one). A call that finds none in flight runs alone at once, so batching adds no
-	// latency without concurrency. A completing write also stops taking calls once their
+	// one). A call that finds none in flight runs alone at once (its statement still under
+	// that lock_timeout), so batching adds no latency without concurrency. A completing write also stops taking calls once their
 	// results add up to MaxValueBytes (the first always goes), so large results do not
 	// pile up in one statement. The protocol and its guarantees are the same either
 	// way. Default [MaxBatchDefault] (64); 1 turns batching off: every call sends its own
@@ -268,8 +268,9 @@ type Coordinator struct {
 
 // NewCoordinator returns a coordinator that stores records through pool, which must reach a
 // database where pgidem's migrations have run (package migrations). config may be nil for
-// all defaults; it is copied. It returns an error naming the Config field when a setting is
-// invalid. It does not touch the database.
+// all defaults; it is copied. It returns an error naming the Config field, matching
+// [ErrInvalidArgument], when a setting is invalid (or pool is nil). It does not touch the
+// database.
 //
 // The pool may use any of pgx's query modes (ConnConfig.DefaultQueryExecMode), including
 // QueryExecModeExec and the simple protocol, which pools behind a transaction-pooling

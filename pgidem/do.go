@@ -32,10 +32,14 @@ type DoOpts struct {
 	// expires. Default nil: no check.
 	Fingerprint []byte
 
-	// InFlight overrides [Config.InFlight] for this call. Default [InFlightDefault].
+	// InFlight overrides [Config.InFlight] for this call. Default [InFlightDefault]: the
+	// config's. A value that is not one of the policies returns an error matching
+	// [ErrInvalidArgument].
 	InFlight InFlightPolicy
 
-	// WaitTimeout overrides [Config.WaitTimeout] for this call. Default 0: the config's.
+	// WaitTimeout overrides [Config.WaitTimeout] for this call. Default 0: the config's
+	// (0 cannot mean "do not wait": use [InFlightRaise]). A negative one returns an error
+	// matching [ErrInvalidArgument].
 	WaitTimeout time.Duration
 
 	// Lease overrides [Config.Lease] for this call; at least [LeaseMin] and shorter than

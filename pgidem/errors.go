@@ -128,7 +128,8 @@ func (e *InvalidKeyError) Is(target error) bool { return target == ErrInvalidKey
 
 // InvalidTTLError describes a rejected TTL. It matches [ErrInvalidTTL].
 type InvalidTTLError struct {
-	// TTL is the record TTL the caller asked for.
+	// TTL is the record TTL the caller asked for; for an inbox call, the retention
+	// ([InboxOpts.Retention]).
 	TTL time.Duration
 	// MinTTL is the configured minimum ([Config.MinTTL]).
 	MinTTL time.Duration

@@ -56,7 +56,9 @@ type Record struct {
 	// Result is the stored JSON result of a completed record (JSON null for a nil value);
 	// nil for other statuses.
 	Result json.RawMessage
-	// Error is the stored JSON failure of a failed record, nil otherwise.
+	// Error is the stored JSON failure of a failed record, nil otherwise: an object with
+	// "message" (the permanent error's text, cut to 64 KiB) and, when the failure stands
+	// for a value that could not be stored ([ErrResultNotStorable]), "not_storable": true.
 	Error json.RawMessage
 	// LeaseExpiresAt is the holder's lease expiry for an in-progress record, zero otherwise.
 	LeaseExpiresAt time.Time

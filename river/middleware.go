@@ -232,11 +232,15 @@ type Config struct {
 	InFlight pgidem.InFlightPolicy
 
 	// WaitTimeout bounds the wait under [pgidem.InFlightWait]. Default
-	// [WaitTimeoutDefault] (30 s).
+	// [WaitTimeoutDefault] (30 s), the middleware's own (not the coordinator's
+	// [pgidem.Config.WaitTimeout]); a negative one makes [NewMiddleware] return an error
+	// matching [pgidem.ErrInvalidArgument].
 	WaitTimeout time.Duration
 
 	// SnoozeMin is the shortest snooze delay; a holder whose lease is about to expire is
-	// given at least this long. Default [SnoozeMinDefault] (100 ms).
+	// given at least this long. Default [SnoozeMinDefault] (100 ms); a negative one, or one
+	// above SnoozeMax, makes [NewMiddleware] return an error matching
+	// [pgidem.ErrInvalidArgument].
 	SnoozeMin time.Duration
 
 	// SnoozeMax is the longest snooze delay: a job snoozed behind a live holder comes back

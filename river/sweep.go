@@ -157,7 +157,8 @@ type SweepPeriodicJobOpts struct {
 // add it to river.Config.PeriodicJobs of clients that also register a [SweepWorker].
 // River's periodic enqueuer runs only on the elected leader, and the jobs are unique by
 // period (river.UniqueOpts.ByPeriod = interval), so a leader handover inside one period
-// does not insert a second sweep.
+// does not insert a second sweep. A sweep job has 3 attempts (River's retry schedule
+// between them); a failed sweep is harmless, since the next period's sweeps again.
 //
 // It returns an error matching [pgidem.ErrInvalidArgument] and naming the field when
 // Interval is negative or below one second:

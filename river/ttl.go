@@ -84,7 +84,7 @@ type TTLWarning struct {
 // [Config.TTL]), or shorter retention periods. Even one attempt, with River's default
 // retention of discarded jobs (7 days, during which one can be retried by hand), needs a
 // TTL above 169 h (1 h to rescue plus 7 days). A worker that overrides NextRetry is not
-// seen.
+// seen. Safe for concurrent use, also with [Middleware.Register].
 func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []TTLWarning {
 	if riverConfig == nil {
 		riverConfig = &river.Config{}

@@ -155,15 +155,20 @@ func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserv
 	if err != nil {
 		for i, it := range items {
 			it.res, it.err = row{}, err
-			if i > 0 && err.(*notHeldError).callerEnded {
+			switch {
+			case i == 0:
+			case err.(*notHeldError).callerEnded: // the leader's context ended: nothing was sent
 				it.err = errRoundNotSent
+			case it.req.ctx.Err() != nil: // so did this member's, while it waited
+				it.err = &notHeldError{err: it.req.ctx.Err(), callerEnded: true}
 			}
 		}
 		return
 	}
+	held := &heldConn{pool: c.pool, conn: conn}
 	defer cancel()
-	defer conn.Release()
-	defer c.releaseEnded(ctx, conn, items)
+	defer held.release()
+	defer c.releaseEnded(ctx, held, items)
 	if len(items) == 1 {
 		it := items[0]
 		cl := it.req.cl
@@ -226,7 +231,7 @@ func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserv
 // *notHeldError): released later, on another connection, a full pool could keep the
 // release waiting and the key in progress for a lease. A member whose release fails keeps
 // its row, and acquire tries again.
-func (c *Coordinator) releaseEnded(ctx context.Context, q executor, items []*batchItem[reserveReq, row]) {
+func (c *Coordinator) releaseEnded(ctx context.Context, q *heldConn, items []*batchItem[reserveReq, row]) {
 	for _, it := range items {
 		callerErr := it.req.ctx.Err()
 		if it.err != nil || !it.res.inserted || callerErr == nil {

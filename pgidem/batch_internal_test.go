@@ -1,11 +1,14 @@
 package pgidem
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -360,24 +363,67 @@ func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
 
 // A member of a round whose context ended while the round ran gets its context's error,
 // and the reservation the round made for it is released on the round's connection before
-// the round gives it back; the other members keep theirs.
+// the round gives it back; the other members keep theirs. When the first release breaks
+// that connection (here on a pool of one), it is given back and the releases go on on the
+// pool: they used to wait for the pool's only connection, which the round still held,
+// until FinishTimeout, and fail.
 func TestRoundReleasesMembersWhoseContextEnded(t *testing.T) {
-	c, _ := batchFixture(t)
-	ctx := context.Background()
-	items := reserveItems(t, c, "kept", "ended")
-	ended, cancel := context.WithCancel(ctx)
-	cancel()
-	items[1].req.ctx = ended
-	c.runReserves(ctx, items)
-	require.NoError(t, items[0].err)
-	require.True(t, items[0].res.inserted)
-	require.ErrorIs(t, items[1].err, context.Canceled)
-	require.ErrorIs(t, callerEnded(items[1].err), context.Canceled)
-	rec, err := c.Lookup(ctx, "ns", "kept")
-	require.NoError(t, err)
-	require.Equal(t, StatusInProgress, rec.Status)
-	rec, err = c.Lookup(ctx, "ns", "ended")
-	require.ErrorIs(t, err, ErrNotFound, "released: a first reservation is deleted (%+v)", rec)
+	for _, broke := range []bool{false, true} {
+		t.Run(map[bool]string{false: "Released", true: "ConnectionBroke"}[broke], func(t *testing.T) {
+			_, db := batchFixture(t)
+			ctx := context.Background()
+			var armed atomic.Bool
+			armed.Store(broke)
+			cfg, err := pgxpool.ParseConfig(db.URL)
+			require.NoError(t, err)
+			cfg.MaxConns = 1
+			cfg.ConnConfig.TLSConfig, cfg.ConnConfig.Fallbacks = nil, nil
+			cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec // the statement's text on the wire
+			cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+				conn, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+				return &breakOnceConn{Conn: conn, armed: &armed, marker: []byte("WITH deleted AS")}, err
+			}
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			c, err := NewCoordinator(pool, &Config{FinishTimeout: time.Second})
+			require.NoError(t, err)
+
+			items := reserveItems(t, c, "kept", "ended-1", "ended-2")
+			ended, cancel := context.WithCancel(ctx)
+			cancel()
+			items[1].req.ctx, items[2].req.ctx = ended, ended
+			c.runReserves(ctx, items)
+			require.NoError(t, items[0].err)
+			require.True(t, items[0].res.inserted)
+			require.False(t, armed.Load(), "the first release broke its connection")
+			rec, err := c.Lookup(ctx, "ns", "kept")
+			require.NoError(t, err)
+			require.Equal(t, StatusInProgress, rec.Status)
+			for _, it := range items[1:] {
+				require.ErrorIs(t, it.err, context.Canceled)
+				require.ErrorIs(t, callerEnded(it.err), context.Canceled)
+				rec, err = c.Lookup(ctx, "ns", it.req.cl.key)
+				require.ErrorIs(t, err, ErrNotFound, "released: a first reservation is deleted (%+v)", rec)
+			}
+		})
+	}
+}
+
+// breakOnceConn closes its connection instead of sending the first message holding marker
+// while armed (once, across the connections sharing armed): nothing of it is applied.
+type breakOnceConn struct {
+	net.Conn
+	armed  *atomic.Bool
+	marker []byte
+}
+
+func (c *breakOnceConn) Write(p []byte) (int, error) {
+	if bytes.Contains(p, c.marker) && c.armed.CompareAndSwap(true, false) {
+		_ = c.Conn.Close()
+		return 0, net.ErrClosed
+	}
+	return c.Conn.Write(p)
 }
 
 func TestRoundDoesNotWaitBehindAnOpenTransaction(t *testing.T) {

@@ -560,7 +560,8 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 // call), until cancel. Waiting for a free connection sends nothing, so unless mustFinish
 // that wait also ends with ctx: err is then a *notHeldError holding ctx's error. A wait
 // that outlasts FinishTimeout, or a connection that cannot be made, returns a
-// *notHeldError holding the pool's error. The caller releases conn.
+// *notHeldError holding the pool's error, or with mustFinish (an earlier write may have
+// reserved) the pool's error itself. The caller releases conn.
 func (c *Coordinator) detachedConn(ctx context.Context, mustFinish bool) (wctx context.Context, cancel context.CancelFunc, conn *pgxpool.Conn, err error) {
 	wctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	actx := wctx
@@ -571,14 +572,19 @@ func (c *Coordinator) detachedConn(ctx context.Context, mustFinish bool) (wctx c
 		defer cancelWait()
 	}
 	conn, err = c.pool.Acquire(actx)
-	if err != nil {
+	switch {
+	case err == nil:
+		return wctx, cancel, conn, nil
+	case mustFinish:
+		// An earlier write may have committed: this call may hold a reservation.
 		cancel()
-		if ctxErr := ctx.Err(); ctxErr != nil && !mustFinish {
-			return nil, nil, nil, &notHeldError{err: ctxErr, callerEnded: true}
-		}
-		return nil, nil, nil, &notHeldError{err: err}
+		return nil, nil, nil, err
+	case ctx.Err() != nil:
+		cancel()
+		return nil, nil, nil, &notHeldError{err: ctx.Err(), callerEnded: true}
 	}
-	return wctx, cancel, conn, nil
+	cancel()
+	return nil, nil, nil, &notHeldError{err: err}
 }
 
 // keepReservation readies a reservation just made (r) for fn, on held, the connection it
@@ -587,11 +593,8 @@ func (c *Coordinator) detachedConn(ctx context.Context, mustFinish bool) (wctx c
 // may be short (freshLease). ok is false when the reservation is no longer cl's (the
 // caller reads the key again) or err is set.
 func (c *Coordinator) keepReservation(ctx context.Context, held *pgxpool.Conn, cl *call, r *row) (ok bool, err error) {
-	var q executor = c.pool
-	if held != nil {
-		q = held
-		defer held.Release()
-	}
+	q := &heldConn{pool: c.pool, conn: held}
+	defer q.release()
 	if err := c.releaseIfCancelled(ctx, q, cl, r.owner); err != nil {
 		return false, err
 	}
@@ -605,6 +608,31 @@ func (c *Coordinator) keepReservation(ctx context.Context, held *pgxpool.Conn, c
 	return true, nil
 }
 
+// heldConn is a pool connection a call keeps for its next statements (nil conn: none),
+// and the pool. Once a statement failed on the connection, it is given back and the pool
+// serves the rest: the connection may be broken, and with every other connection in use
+// a retry on the pool would wait for this one.
+type heldConn struct {
+	pool *pgxpool.Pool
+	conn *pgxpool.Conn
+}
+
+// q returns where the next statement runs.
+func (h *heldConn) q() executor {
+	if h.conn != nil {
+		return h.conn
+	}
+	return h.pool
+}
+
+// release gives the connection back, if still held; statements then run on the pool.
+func (h *heldConn) release() {
+	if h.conn != nil {
+		h.conn.Release()
+		h.conn = nil
+	}
+}
+
 // freshLease renews a lease just granted to cl (r) before fn starts, when a third of it
 // or more went by since the granting statement was sent: a statement that waited (behind
 // another transaction's uncommitted record for the key, or through a lost-reply recovery)
@@ -612,20 +640,21 @@ func (c *Coordinator) keepReservation(ctx context.Context, held *pgxpool.Conn, c
 // another caller could then take the key over while fn starts. It returns false when the
 // reservation is no longer cl's (the caller reads the key again), and a store error when
 // the renewal failed — after releasing the reservation, so no caller waits a lease for it.
-func (c *Coordinator) freshLease(ctx context.Context, q executor, cl *call, r *row) (bool, error) {
+func (c *Coordinator) freshLease(ctx context.Context, q *heldConn, cl *call, r *row) (bool, error) {
 	if time.Since(r.leaseFrom) < cl.lease/3 {
 		return true, nil
 	}
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
 	sent := time.Now()
-	tag, err := q.Exec(wctx, c.sql.heartbeat, cl.namespace, cl.key, r.owner, micros(cl.lease), micros(cl.ttl))
+	tag, err := q.q().Exec(wctx, c.sql.heartbeat, cl.namespace, cl.key, r.owner, micros(cl.lease), micros(cl.ttl))
 	switch {
 	case tag.RowsAffected() == 0 && err == nil, isSerializationFailure(err):
 		// Taken over meanwhile (under a stricter default isolation the server says so
 		// with a serialization failure): read the key again.
 		return false, nil
 	case err != nil:
+		q.release() // it may be what failed
 		_ = c.finishOn(ctx, q, cl, r.owner, "release", c.sql.release)
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return false, ctxErr
@@ -683,7 +712,7 @@ func (c *Coordinator) reserveOne(ctx context.Context, q executor, sql string, cl
 
 // releaseIfCancelled gives back a reservation just made when the caller's context ended
 // while it was being made, and returns the context's error; otherwise nil.
-func (c *Coordinator) releaseIfCancelled(ctx context.Context, q executor, cl *call, owner pgtype.UUID) error {
+func (c *Coordinator) releaseIfCancelled(ctx context.Context, q *heldConn, cl *call, owner pgtype.UUID) error {
 	if ctx.Err() == nil {
 		return nil
 	}
@@ -976,12 +1005,12 @@ var errFinishNoRow = errors.New("pgidem: reservation no longer owned")
 // attempt's delete) and a *StoreError when the store kept failing (the lease expiry then
 // lets a later delivery decide).
 func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, op, sql string, extra ...any) error {
-	return c.finishOn(ctx, c.pool, cl, owner, op, sql, extra...)
+	return c.finishOn(ctx, &heldConn{pool: c.pool}, cl, owner, op, sql, extra...)
 }
 
-// finishOn is finish with its first attempt on q (a connection the caller holds); later
-// attempts run on any of the pool's, since q may be what failed.
-func (c *Coordinator) finishOn(ctx context.Context, q executor, cl *call, owner pgtype.UUID, op, sql string, extra ...any) error {
+// finishOn is finish with its first attempt on q's held connection, if any; a failed
+// attempt gives it back, and later ones run on the pool's.
+func (c *Coordinator) finishOn(ctx context.Context, q *heldConn, cl *call, owner pgtype.UUID, op, sql string, extra ...any) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
 	args := append([]any{cl.namespace, cl.key, owner}, extra...)
@@ -991,8 +1020,10 @@ func (c *Coordinator) finishOn(ctx context.Context, q executor, cl *call, owner 
 	maybeApplied := false // an earlier attempt may have reached the server and committed
 	for attempt := 0; ; attempt++ {
 		var tag pgconn.CommandTag
-		tag, err = q.Exec(ctx, sql, args...)
-		q = c.pool
+		tag, err = q.q().Exec(ctx, sql, args...)
+		if err != nil {
+			q.release()
+		}
 		if err == nil {
 			if tag.RowsAffected() == 0 && !(op == "release" && maybeApplied) {
 				// A release that finds no row after an attempt that may have committed was

@@ -782,15 +782,28 @@ func TestPoolExhaustedBeforeFn(t *testing.T) {
 // goroutine is queued for, releases the reservation its statement then makes on that same
 // connection. The release used to need a second connection: the queued goroutine got the
 // freed one, the release failed after FinishTimeout, and the key stayed in progress for a
-// lease, then counted a takeover (attempts 2) that never was.
+// lease, then counted a takeover (attempts 2) that never was. And when that release fails
+// on the kept connection (it broke), the connection is given back before the release is
+// tried again on the pool, whose only connection it was.
 func TestCancelledReservationReleasedOnItsConnection(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	for _, maxBatch := range []int{1, 0} {
-		t.Run(fmt.Sprintf("MaxBatch%d", maxBatch), func(t *testing.T) { // one at a time: the wait below counts the database's waiters
-			key := fmt.Sprint("k", maxBatch)
-			pool := b.newPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
-			coord := b.newCoordOn(t, pool, &pgidem.Config{MaxBatch: maxBatch, FinishTimeout: time.Second})
+	for _, tc := range []struct {
+		name          string
+		maxBatch      int
+		queued, broke bool
+	}{
+		{"Queued", 1, true, false},
+		{"QueuedBatching", 0, true, false},
+		{"ReleaseConnectionBroke", 1, false, true},
+		{"ReleaseConnectionBrokeBatching", 0, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) { // one at a time: the wait below counts the database's waiters
+			key := tc.name
+			d := &lostReplyDialer{marker: []byte("WITH deleted AS"), unsent: true}
+			d.fired.Store(!tc.broke)
+			pool := b.dialerPool(t, d, 1)
+			coord := b.newCoordOn(t, pool, &pgidem.Config{MaxBatch: tc.maxBatch, FinishTimeout: time.Second})
 			tx, err := b.db.Pool.Begin(b.ctx)
 			require.NoError(t, err)
 			defer func() { _ = tx.Rollback(b.ctx) }()
@@ -815,19 +828,26 @@ func TestCancelledReservationReleasedOnItsConnection(t *testing.T) {
 				return err == nil && waiting == 1
 			}, 30*time.Second, 5*time.Millisecond)
 			hogged := make(chan *pgxpool.Conn, 1)
-			go func() {
-				conn, err := pool.Acquire(b.ctx) // queued for the only connection
-				if err != nil {
-					conn = nil
-				}
-				hogged <- conn
-			}()
-			time.Sleep(100 * time.Millisecond) // lets the goroutine queue (the test passes either way once fixed)
+			if tc.queued {
+				go func() {
+					conn, err := pool.Acquire(b.ctx) // queued for the only connection
+					if err != nil {
+						conn = nil
+					}
+					hogged <- conn
+				}()
+				time.Sleep(100 * time.Millisecond) // lets the goroutine queue (the test passes either way once fixed)
+			}
 			cancel()
 			require.NoError(t, tx.Rollback(b.ctx)) // the insert now reserves the key
 			require.ErrorIs(t, <-done, context.Canceled)
-			if conn := <-hogged; conn != nil {
-				conn.Release()
+			if tc.broke {
+				require.True(t, d.fired.Load(), "the release's first attempt broke its connection")
+			}
+			if tc.queued {
+				if conn := <-hogged; conn != nil {
+					conn.Release()
+				}
 			}
 			rec, err := coord.Lookup(b.ctx, "mail", key)
 			if err == nil {

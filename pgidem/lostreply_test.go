@@ -31,10 +31,17 @@ type lostReplyConn struct {
 type lostReplyDialer struct {
 	marker []byte
 	fired  atomic.Bool
+	// unsent, when set, closes the connection instead of sending the marked message: a
+	// write that fails on a broken connection, with nothing applied.
+	unsent bool
 }
 
 func (c *lostReplyConn) Write(p []byte) (int, error) {
 	if bytes.Contains(p, c.d.marker) && c.d.fired.CompareAndSwap(false, true) {
+		if c.d.unsent {
+			_ = c.Conn.Close()
+			return 0, net.ErrClosed
+		}
 		c.lost.Store(true)
 	}
 	return c.Conn.Write(p)
@@ -64,13 +71,23 @@ func (d *lostReplyDialer) dial(ctx context.Context, network, addr string) (net.C
 func (b *testBundle) lostReplyPool(t *testing.T, marker string) (*pgxpool.Pool, *lostReplyDialer) {
 	t.Helper()
 	d := &lostReplyDialer{marker: []byte(marker)}
-	pool := b.newPool(t, func(cfg *pgxpool.Config) {
+	return b.dialerPool(t, d, 0), d
+}
+
+// dialerPool returns a pool on the bundle's database of at most maxConns connections (0:
+// pgxpool's default) made through d, sending statements with their text each time and
+// without TLS, so d sees them on the wire.
+func (b *testBundle) dialerPool(t *testing.T, d *lostReplyDialer, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	return b.newPool(t, func(cfg *pgxpool.Config) {
+		if maxConns > 0 {
+			cfg.MaxConns = maxConns
+		}
 		cfg.ConnConfig.DialFunc = d.dial
 		cfg.ConnConfig.TLSConfig = nil
 		cfg.ConnConfig.Fallbacks = nil
 		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
 	})
-	return pool, d
 }
 
 // A release whose reply is lost after it committed is retried; the retry finds the first

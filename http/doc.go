@@ -46,8 +46,8 @@
 //
 // Server errors (5xx), 401, 403, 407, 408, 425, 429 and panics before any status are not
 // stored by default ([Config.Store]): the key is released, so a retry runs the handler
-// again. A client that goes away does not cancel the handler's context unless
-// [Config.CancelWithClient]: its retry reads the outcome, so the handler finishes. A store that cannot be reached before
+// again. A client that goes away once the handler started does not cancel its context
+// unless [Config.CancelWithClient]: its retry reads the outcome, so the handler finishes. A store that cannot be reached before
 // the handler runs is answered 503 and the handler does not run: a request is never run
 // unprotected unless the coordinator opted into [pgidem.Config.FailOpen].
 //

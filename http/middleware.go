@@ -17,6 +17,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
@@ -78,7 +79,8 @@ type PrincipalFunc func(r *http.Request) (string, error)
 // requests exactly when they ask for the same thing. body is the whole request body,
 // already read (the handler still reads it from r.Body). r.Body must not be read. When a
 // handler outside the middleware parsed the form (Request.ParseForm of a URL-encoded
-// body, ParseMultipartForm), which consumes the body, body is the parsed form instead:
+// body, ParseMultipartForm) and so consumed the body (the middleware read none), body is
+// the parsed form instead:
 // its values sorted by name, and each file's field name, file name, size and SHA-256. An
 // outer handler that reads the body any other way must put it back, or every request
 // would have the empty body's fingerprint. Called from the goroutine of each request, so
@@ -156,7 +158,8 @@ type Config struct {
 
 	// MaxRequestBytes bounds the request body, in bytes, which the middleware reads whole
 	// to fingerprint it before the handler runs. A longer body is answered 413 and the
-	// handler is not run. Default [MaxRequestBytesDefault] (1 MiB); [New] refuses a
+	// handler is not run; so is a form a handler outside the middleware parsed (consuming
+	// the body) whose values and files add up to more. Default [MaxRequestBytesDefault] (1 MiB); [New] refuses a
 	// negative one.
 	MaxRequestBytes int64
 
@@ -186,8 +189,9 @@ type Config struct {
 	// responses hold a secret shown once can keep them out with a Store of its own. A
 	// handler that panics (with [http.ErrAbortHandler] too) before it sent a status is
 	// never stored; one that panics after it did is stored by that status, without its
-	// body (the client saw the status, and the effect may have happened: a
-	// [httputil.ReverseProxy] panics so when copying the upstream's body fails). One
+	// body (the status may have reached the client, and the effect may have happened: a
+	// [httputil.ReverseProxy] panics so when copying the upstream's body fails), and
+	// logged at error with its stack unless the panic is [http.ErrAbortHandler]. One
 	// that returns without writing has answered 200, which is stored.
 	Store StorePolicyFunc
 
@@ -228,13 +232,17 @@ type Config struct {
 	// [ProblemTypeDefault] ("about:blank", with each response's title its status text).
 	ProblemType string
 
-	// CancelWithClient cancels next's context when the client goes away, as net/http
-	// does. Default false: next runs to the end whatever the client does, because under
-	// an Idempotency-Key the client's retry is what reads the outcome (a replay, or a
-	// wait for the run in progress), and a handler cut off half-way would answer an error
-	// status that releases the key, so the retry ran the effect again. A deadline an outer
-	// handler set on the request's context still applies, and next's context is cancelled
-	// with cause [pgidem.ErrLeaseLost] either way.
+	// CancelWithClient cancels next's context when the request's context is cancelled (the
+	// client goes away), as net/http does. Default false: once next starts it runs to the
+	// end whatever the client does, because under an Idempotency-Key the client's retry is
+	// what reads the outcome (a replay, or a wait for the run in progress), and a handler
+	// cut off half-way would answer an error status that releases the key, so the retry
+	// ran the effect again. The request's cancellation still ends the reservation, a wait,
+	// and a call whose next has not started (which then does not start). Only the request
+	// context's deadline (an outer handler's) still ends next's; any other cancellation
+	// does not, a server BaseContext cancelled at shutdown included (http.Server.Shutdown
+	// waits for handlers without cancelling them). next's context is cancelled with cause
+	// [pgidem.ErrLeaseLost] either way.
 	CancelWithClient bool
 
 	// Logger receives the middleware's warnings and errors (a record the handler's
@@ -449,9 +457,10 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 // [Config.MaxResponseBytes]) and the headers in [Config.ReplayHeaders] as they were when
 // the status was sent; not trailers. The body is what next wrote, whether or not it
 // reached the client; but when a write of it failed (the client went away, a write
-// timeout), it is left out unless next declared a Content-Length that it matches: a
-// replay never passes part of a body off as all of it (next may have stopped at the failed
-// write). It is also left out, and then the headers, when the record's JSON would be too long
+// timeout), it is left out unless next declared a Content-Length that it matches, and
+// when next wrote less than it declared it is left out too: a replay never passes part of
+// a body off as all of it (next may have stopped at the failed write). Bytes beyond a
+// declared Content-Length, which net/http refuses, are not part of it. It is also left out, and then the headers, when the record's JSON would be too long
 // for the coordinator ([pgidem.Config.MaxValueBytes]). A replay without the body it had
 // carries Idempotent-Body-Omitted: true ([HeaderBodyOmitted]).
 //
@@ -459,7 +468,8 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 // response the record keeps. Inside it, around next, it answers 503 while next is still
 // running; the 503 is not stored, the key is released, and a retry runs next beside the
 // first run. Bound a request with the server's timeouts (a write that fails then leaves the
-// body out, and next runs once) or with a deadline next observes before it answers. A
+// body out unless next declared a Content-Length it matches, and next runs once) or with a
+// deadline next observes before it answers. A
 // handler whose effects are keyed with [ScopedKey] stays safe either way: a second run
 // waits for the first run's effects and replays them.
 //
@@ -527,10 +537,15 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 	fingerprinted := body
-	if form, parsed, err := parsedForm(r); parsed {
-		if err != nil {
+	if form, size, parsed, err := parsedForm(r, body); parsed {
+		switch {
+		case err != nil:
 			m.problem(w, http.StatusBadRequest, "request_body_unreadable", "Request body unreadable",
 				"The request body could not be read.", nil)
+			return
+		case size > m.config.MaxRequestBytes:
+			m.problem(w, http.StatusRequestEntityTooLarge, "request_too_large", "Request body too large",
+				fmt.Sprintf("A request with an Idempotency-Key may carry at most %d bytes.", m.config.MaxRequestBytes), nil)
 			return
 		}
 		fingerprinted = form
@@ -569,7 +584,9 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	var panicked any // next's panic after it sent a status, raised again once it is stored
 	res, err := pgidem.DoResult(ctx, m.coord, m.config.Namespace, recordKey, m.config.TTL, opts,
 		func(ctx context.Context) (v json.RawMessage, err error) {
-			start()
+			if !start() {
+				return nil, errNotStored // the client went away as next was about to start
+			}
 			rec = &recorder{ResponseWriter: w, max: m.config.MaxResponseBytes, replay: m.replay}
 			returned := false
 			defer func() {
@@ -577,8 +594,15 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 					return // a panic before any status: it goes on, and the key is released
 				}
 				panicked = recover()
+				if panicked != http.ErrAbortHandler {
+					// It is raised again from here, so net/http's log would show this
+					// stack, not next's.
+					m.config.Logger.ErrorContext(ctx, "pgidemhttp: the handler panicked after it sent its status; the response is stored without its body",
+						slog.String("namespace", m.config.Namespace), slog.String("key", recordKey),
+						slog.Any("panic", panicked), slog.String("stack", string(debug.Stack())))
+				}
 				rec.omitBody()
-				v, err = m.stored(ctx, rec, recordKey)
+				v, err = m.storedAfterPanic(ctx, rec, recordKey)
 			}()
 			next.ServeHTTP(rec, r.WithContext(ctx))
 			returned = true
@@ -646,6 +670,19 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 }
 
+// storedAfterPanic is stored for a handler that panicked; a panic of its own (in
+// Config.Store) is logged, and the response is not stored: the handler's panic goes on.
+func (m *Middleware) storedAfterPanic(ctx context.Context, rec *recorder, recordKey string) (v json.RawMessage, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			m.config.Logger.ErrorContext(ctx, "pgidemhttp: storing the response of a handler that panicked panicked too",
+				slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+			v, err = nil, errNotStored
+		}
+	}()
+	return m.stored(ctx, rec, recordKey)
+}
+
 // stored returns the record's value for rec's response once next is done, or errNotStored
 // when [Config.Store] refuses its status.
 func (m *Middleware) stored(ctx context.Context, rec *recorder, recordKey string) (json.RawMessage, error) {
@@ -657,13 +694,14 @@ func (m *Middleware) stored(ctx context.Context, rec *recorder, recordKey string
 }
 
 // callContext returns the context the call runs with, from the request's (ctx): unless
-// [Config.CancelWithClient], the client going away cancels it only until start is called
-// (when next starts), so a reservation or a wait still ends with the client but next runs
-// to the end. The request's deadline (an outer handler's) still applies, and the values
-// stay. stop releases it.
-func (m *Middleware) callContext(ctx context.Context) (call context.Context, start, stop func()) {
+// [Config.CancelWithClient], the request's cancellation cancels it only until start is
+// called (when next is about to start), so a reservation or a wait still ends with the
+// client but next runs to the end. start reports false when the cancellation came first:
+// next must not start. The request's deadline (an outer handler's) still applies, and the
+// values stay. stop releases it.
+func (m *Middleware) callContext(ctx context.Context) (call context.Context, start func() bool, stop func()) {
 	if m.config.CancelWithClient {
-		return ctx, func() {}, func() {}
+		return ctx, func() bool { return true }, func() {}
 	}
 	call, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 	stopDeadline := context.CancelFunc(func() {})
@@ -679,10 +717,11 @@ func (m *Middleware) callContext(ctx context.Context) (call context.Context, sta
 			cancel(context.Cause(ctx))
 		}
 	})
-	start = func() {
+	start = func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		running = true
+		return call.Err() == nil
 	}
 	return call, start, func() { stopAfter(); stopDeadline(); cancel(nil) }
 }
@@ -729,14 +768,22 @@ func (m *Middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, b
 // which consumed the body: the fingerprint is then computed over the form, or every such
 // request would have the empty body's and a different request would be replayed another's
 // response. The encoding has the form's values, sorted by name, and each file's field
-// name, file name, size and SHA-256. err is a file that could not be read.
-func parsedForm(r *http.Request) (form []byte, parsed bool, err error) {
+// name, file name, size and SHA-256. size is the form's size in bytes (its values encoded,
+// and its files), for [Config.MaxRequestBytes]. parsed is false when the body was not
+// consumed (it is not empty, or no form was parsed): the body is then what counts. err is
+// a file that could not be read.
+func parsedForm(r *http.Request, body []byte) (form []byte, size int64, parsed bool, err error) {
+	if len(body) > 0 {
+		return nil, 0, false, nil
+	}
 	var b bytes.Buffer
 	switch {
 	case r.MultipartForm != nil:
 		b.WriteString("multipart\n" + url.Values(r.MultipartForm.Value).Encode())
+		size = int64(b.Len())
 		for _, name := range slices.Sorted(maps.Keys(r.MultipartForm.File)) {
 			for _, fh := range r.MultipartForm.File[name] {
+				size += fh.Size
 				h := sha256.New()
 				f, err := fh.Open()
 				if err == nil {
@@ -744,7 +791,7 @@ func parsedForm(r *http.Request) (form []byte, parsed bool, err error) {
 					f.Close()
 				}
 				if err != nil {
-					return nil, true, err
+					return nil, 0, true, err
 				}
 				fmt.Fprintf(&b, "\n%d:%s %d:%s %d %x", len(name), name, len(fh.Filename), fh.Filename, fh.Size, h.Sum(nil))
 			}
@@ -753,14 +800,15 @@ func parsedForm(r *http.Request) (form []byte, parsed bool, err error) {
 		// ParseForm sets PostForm for every request but reads the body only for a
 		// URL-encoded one.
 		mediaType, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
-		if mediaType != "application/x-www-form-urlencoded" {
-			return nil, false, nil
+		if mediaType != "application/x-www-form-urlencoded" || len(r.PostForm) == 0 {
+			return nil, 0, false, nil
 		}
 		b.WriteString("form\n" + r.PostForm.Encode())
+		size = int64(b.Len())
 	default:
-		return nil, false, nil
+		return nil, 0, false, nil
 	}
-	return b.Bytes(), true, nil
+	return b.Bytes(), size, true, nil
 }
 
 // encode returns the record's JSON for a recorded response. When it would be longer than
@@ -875,9 +923,9 @@ func (rec *recorder) Write(p []byte) (int, error) {
 	rec.implicitOK()
 	n, err := rec.ResponseWriter.Write(p)
 	switch {
-	case errors.Is(err, http.ErrBodyNotAllowed):
-		// A status that has no body (204, 304): net/http sends none, and neither does a
-		// replay; the response is whole.
+	case errors.Is(err, http.ErrBodyNotAllowed), errors.Is(err, http.ErrContentLength):
+		// A status that has no body (204, 304), or bytes beyond the declared
+		// Content-Length: net/http sends none of them, and neither does a replay.
 	case rec.stored.BodyOmitted:
 	case rec.body.Len()+len(p) > rec.max:
 		rec.omitBody()
@@ -934,10 +982,16 @@ func (rec *recorder) finish() {
 	if !rec.wrote {
 		rec.capture(http.StatusOK) // not sent yet: the middleware may still answer instead
 	}
-	if rec.failed && rec.declared != int64(rec.body.Len()) {
+	bodiless := rec.stored.Status == http.StatusNoContent || rec.stored.Status == http.StatusNotModified
+	switch {
+	case bodiless:
+	case rec.declared >= 0 && rec.declared != int64(rec.body.Len()):
+		// Less than the declared Content-Length (net/http then cuts the connection): a
+		// replay must not pass part of a body off as all of it.
+		rec.omitBody()
+	case rec.failed && rec.declared < 0:
 		// The response did not reach the client whole, and nothing says the handler wrote
-		// all of it (it may have stopped at the failed write, as io.Copy does): a replay
-		// must not pass part of a body off as all of it.
+		// all of it (it may have stopped at the failed write, as io.Copy does).
 		rec.omitBody()
 	}
 	if rec.stored.BodyOmitted {

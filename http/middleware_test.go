@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"math"
 	"mime/multipart"
 	"net/http"
@@ -1213,4 +1214,141 @@ func TestFormParsedOutside(t *testing.T) {
 	replay = serve(h, multipartReq(`"k2"`, "A", "one"))
 	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed))
 	require.Equal(t, int64(2), runs.Load())
+}
+
+// The client going away just before the handler starts (after the reservation, as fn is
+// about to run) does not start the handler on a cancelled context: it does not run, the
+// key is released, and the retry runs it once. The handler used to start with its context
+// already cancelled, answer an error that released the key, and the retry ran the effect
+// a second time.
+func TestClientGoneAsHandlerStarts(t *testing.T) {
+	t.Parallel()
+	var cancelRequest atomic.Pointer[context.CancelFunc]
+	b := setup(t, &pgidem.Config{Hook: pgidem.HookFunc(func(ctx context.Context, e pgidem.Event) {
+		if cancel := cancelRequest.Swap(nil); cancel != nil && e.Kind == pgidem.EventExecuted {
+			(*cancel)()
+			<-ctx.Done() // the call's context ends with the request's, next not started yet
+		}
+	})})
+	var runs atomic.Int64
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		if r.Context().Err() != nil {
+			w.WriteHeader(http.StatusInternalServerError) // the effect cut off half-way
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	}))
+	ctx, cancel := context.WithCancel(context.Background())
+	cancelRequest.Store(&cancel)
+	first := serve(h, request("POST", "/orders", "alice", `"k"`, "x").WithContext(ctx))
+	require.Equal(t, http.StatusServiceUnavailable, first.Code)
+	require.Zero(t, runs.Load(), "the handler does not start once the client is gone")
+	retry := serve(h, request("POST", "/orders", "alice", `"k"`, "x"))
+	require.Equal(t, http.StatusCreated, retry.Code)
+	require.Equal(t, int64(1), runs.Load())
+}
+
+// A handler that writes less than the Content-Length it declared (net/http then cuts the
+// connection) is stored without its body: a replay never passes part of a body off as
+// all of it. One that writes more has the excess refused by net/http, and the declared
+// body, which the client got whole, is stored: the refusal used to count as a failed
+// delivery and drop it.
+func TestDeclaredContentLength(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", "5")
+		w.WriteHeader(http.StatusCreated)
+		body := r.URL.Query().Get("body")
+		_, _ = io.WriteString(w, body[:min(5, len(body))])
+		_, _ = io.WriteString(w, body[min(5, len(body)):]) // beyond the declared length: refused
+	}))
+	srv := httptest.NewServer(h) // net/http's writer, which enforces the declared length
+	t.Cleanup(srv.Close)
+	for _, tc := range []struct{ key, body, replayed, omitted string }{
+		{`"short"`, "hel", "", "true"},
+		{`"long"`, "hello_world", "hello", ""},
+	} {
+		_, _, _ = postOver(t, srv, "/orders?body="+tc.body, tc.key)
+		replay, body, err := postOver(t, srv, "/orders?body="+tc.body, tc.key)
+		require.NoError(t, err, tc.key)
+		require.Equal(t, "true", replay.Header.Get(pgidemhttp.HeaderReplayed), tc.key)
+		require.Equal(t, tc.replayed, string(body), tc.key)
+		require.Equal(t, tc.omitted, replay.Header.Get(pgidemhttp.HeaderBodyOmitted), tc.key)
+	}
+}
+
+// A handler that panics after its status is logged with its own stack (the panic is
+// raised again from the middleware, so net/http's log shows the middleware's), and a
+// Store that panics too does not replace the handler's panic: it goes on, and the
+// response is not stored.
+func TestPanicAfterStatusLogged(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var logs strings.Builder
+	var mu sync.Mutex
+	logger := slog.New(slog.NewTextHandler(writerFunc(func(p []byte) (int, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		return logs.Write(p)
+	}), nil))
+	storePanics := false
+	h := b.handler(t, &pgidemhttp.Config{Logger: logger, Store: func(status int) bool {
+		if storePanics {
+			panic("store")
+		}
+		return pgidemhttp.StoreDefault(status)
+	}}, http.HandlerFunc(panicAfterStatus))
+	require.PanicsWithValue(t, "boom", func() { serve(h, request("POST", "/orders", "alice", `"k1"`, "x")) })
+	mu.Lock()
+	require.Contains(t, logs.String(), "panicAfterStatus", "the handler's frame is in the logged stack")
+	mu.Unlock()
+
+	storePanics = true
+	require.PanicsWithValue(t, "boom", func() { serve(h, request("POST", "/orders", "alice", `"k2"`, "x")) })
+	storePanics = false
+	require.PanicsWithValue(t, "boom", func() { serve(h, request("POST", "/orders", "alice", `"k2"`, "x")) },
+		"not stored: the retry runs the handler again")
+}
+
+func panicAfterStatus(w http.ResponseWriter, _ *http.Request) {
+	w.WriteHeader(http.StatusCreated)
+	panic("boom")
+}
+
+// writerFunc is an io.Writer made of a function.
+type writerFunc func(p []byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
+// The parsed form stands for the body only when the body was consumed: a method whose body
+// ParseForm leaves alone (DELETE) is fingerprinted by its body, so another body under the
+// key is 422 rather than a replay of the first. And a form an outer handler parsed from a
+// chunked body (no Content-Length to check first) is held to MaxRequestBytes.
+func TestFormParsedOutsideEdges(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	inner := b.handler(t, &pgidemhttp.Config{Methods: []string{"POST", "DELETE"}, MaxRequestBytes: 64},
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) }))
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_ = r.ParseMultipartForm(1 << 20)
+		inner.ServeHTTP(w, r)
+	})
+	del := func(body string) *http.Request {
+		r := request("DELETE", "/orders", "alice", `"d"`, body)
+		r.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		return r
+	}
+	require.Equal(t, http.StatusOK, serve(h, del("id=1")).Code)
+	requireProblem(t, serve(h, del("id=2")), http.StatusUnprocessableEntity, "idempotency_key_reused")
+
+	var body bytes.Buffer
+	mw := multipart.NewWriter(&body)
+	require.NoError(t, mw.WriteField("note", strings.Repeat("x", 200)))
+	require.NoError(t, mw.Close())
+	r := request("POST", "/orders", "alice", `"m"`, body.String())
+	r.Header.Set("Content-Type", mw.FormDataContentType())
+	r.ContentLength = -1 // chunked
+	requireProblem(t, serve(h, r), http.StatusRequestEntityTooLarge, "request_too_large")
 }

@@ -240,7 +240,8 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // pgx may close the connection, which ends tx (nothing commits). Database errors are
 // returned as a [*StoreError]; after one, roll tx back. [Config.FailOpen] does not apply:
 // the effect lives in the same database. A read-only tx (it could never write the record)
-// returns an error matching [ErrInvalidArgument] before fn runs, as do nil arguments and
+// returns an error matching [ErrInvalidArgument] before fn runs, as do a tx an earlier
+// failed statement already aborted, nil arguments and
 // a call for the key from within the fn of a call holding it, directly or through calls for
 // other keys (in the same transaction it would find no record yet and run fn again and
 // again). A fn that returns nil after one of its statements failed (the server then
@@ -500,6 +501,10 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 	}
 	if closeErr := br.Close(); err == nil {
 		err = closeErr
+	}
+	if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) && pgErr.Code == sqlstateInFailedTransaction {
+		c.emitInvalid(ctx, cl.namespace)
+		return r, false, invalidArgument("DoTx: the transaction was already aborted by a statement that failed before DoTx; roll it back: fn was not run")
 	}
 	if err != nil {
 		return r, false, c.logStoreError(ctx, cl, storeError("lock", err))

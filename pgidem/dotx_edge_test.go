@@ -699,3 +699,24 @@ func TestFnSwallowingAFailedStatement(t *testing.T) {
 	require.NoError(t, err, "the next delivery runs fn again")
 	require.Equal(t, 2, v)
 }
+
+// A transaction an earlier failed statement aborted, given to DoTx: an error matching
+// ErrInvalidArgument, neither logged nor counted as a store error (it used to be one, for
+// op "lock"), and fn does not run.
+func TestDoTxOnAbortedTransaction(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	coord, storeErrors := b.countStoreErrors(t, nil)
+	tx := b.begin(t)
+	_, err := tx.Exec(b.ctx, "SELECT 1/0")
+	require.Error(t, err)
+	ran := false
+	_, err = pgidem.DoTx(b.ctx, coord, tx, "mail", "k", testTTL, nil, func(context.Context, pgx.Tx) (int, error) {
+		ran = true
+		return 1, nil
+	})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+	require.False(t, ran)
+	require.Zero(t, storeErrors.Load())
+}

@@ -91,8 +91,8 @@ var (
 	// to [Do], [DoTx] or [DoInTx]; a method called on a nil *Coordinator panics), pool,
 	// transaction or fn (including [Coordinator.InboxHandle]'s fn and
 	// [Coordinator.InboxRecordTx]'s transaction), a [DoOpts] field other than Lease (an
-	// [*InvalidTTLError]) or a [SweepOpts] field out of range, a read-only transaction
-	// given to [DoTx] (which must write the record), or a call for a key (an inbox message,
+	// [*InvalidTTLError]) or a [SweepOpts] field out of range, a read-only or already
+	// aborted transaction given to [DoTx] (which must write the record), or a call for a key (an inbox message,
 	// for [Coordinator.InboxHandle]) from within the fn of a call that holds it. The error's message names the field (or, for a held
 	// key, the key). fn is not run.
 	ErrInvalidArgument = errors.New("pgidem: invalid argument")
@@ -251,6 +251,10 @@ func isValueRefused(err error) bool {
 		strings.HasPrefix(pgErr.Code, sqlstateClassProgramLimit))
 }
 
+// sqlstateInFailedTransaction is in_failed_sql_transaction: a statement sent in a
+// transaction that an earlier failed statement aborted.
+const sqlstateInFailedTransaction = "25P02"
+
 // abortedByFn returns the error for a fn that returned nil although one of its statements
 // in the transaction pgidem gave it had failed: the server then aborts the transaction, so
 // pgidem's next statement is refused (in_failed_sql_transaction, 25P02) or the commit
@@ -258,7 +262,7 @@ func isValueRefused(err error) bool {
 // *StoreError, and it is neither logged nor counted. nil when err is not such a refusal.
 func abortedByFn(op string, err error) error {
 	var pgErr *pgconn.PgError
-	if !errors.Is(err, pgx.ErrTxCommitRollback) && !(errors.As(err, &pgErr) && pgErr.Code == "25P02") {
+	if !errors.Is(err, pgx.ErrTxCommitRollback) && !(errors.As(err, &pgErr) && pgErr.Code == sqlstateInFailedTransaction) {
 		return nil
 	}
 	return fmt.Errorf("pgidem: %s: fn returned nil after one of its statements failed, which aborted the transaction: "+

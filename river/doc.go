@@ -72,8 +72,9 @@
 //
 // A worker error releases the reservation and reaches River unchanged, so River's retry
 // runs the worker again (unless the record was found taken over meanwhile: then the error
-// is wrapped in one matching [pgidem.ErrLeaseLost]); snooze and cancel errors pass through
-// as they are. A
+// is wrapped in one matching [pgidem.ErrLeaseLost]; or pgidem cancelled the worker because
+// its lease could not be renewed in time: then the error is wrapped in one that says so);
+// snooze and cancel errors pass through as they are. A
 // [pgidem.Permanent] error is stored, and this and later jobs with the key are cancelled.
 // (What counts is a Permanent error in the worker's error chain, pgidem's own rule; an
 // error matching [pgidem.ErrPermanent] only through a failure a nested pgidem call

@@ -339,8 +339,10 @@ type Stats struct {
 //     same: [Outcome.RecordNotCompleted]). Worker returns an error: the record is
 //     released and the error returned unchanged (snooze and cancel errors included), so
 //     River retries; when the release finds the record taken over, the error is wrapped
-//     in one matching [pgidem.ErrLeaseLost] ([ActionError]), except the worker's own
-//     river.JobSnooze or river.JobCancel, which pass through unchanged. A
+//     in one matching [pgidem.ErrLeaseLost] ([ActionError]), and when pgidem cancelled the
+//     worker because its renewals failed (the record not taken over) in one that says so,
+//     except the worker's own river.JobSnooze or river.JobCancel, which pass through
+//     unchanged. A
 //     [pgidem.Permanent] error is stored and the job cancelled. Renewals that stall until a
 //     tenth of a lease before it ends, or a renewal that finds the record taken over,
 //     cancel the worker's context with cause [pgidem.ErrLeaseLost], however long the
@@ -523,7 +525,8 @@ func (m *Middleware) kind(kind string) *kindInfo {
 // Work implements [rivertype.WorkerMiddleware]; River calls it for every execution of a job.
 // See [Middleware] for what it does. The error it returns is the worker's, unchanged, when
 // the worker ran and failed (wrapped in one matching [pgidem.ErrLeaseLost] when the record
-// was then found taken over, except its own river.JobSnooze or river.JobCancel);
+// was then found taken over, or in one saying pgidem cancelled the worker when its lease
+// renewals failed, except its own river.JobSnooze or river.JobCancel);
 // river.JobSnooze when another execution holds the key; a
 // river.JobCancel wrapping a stored permanent failure; otherwise an error prefixed
 // "pgidemriver: " wrapping pgidem's ([pgidem.ErrInvalidKey], [pgidem.ErrStoreUnavailable],
@@ -650,6 +653,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	ran, succeeded := false, false // the worker started; it returned nil
 	opts := &pgidem.DoOpts{InFlight: m.config.InFlight, WaitTimeout: m.config.WaitTimeout, ReserveFirst: true}
 	var workerErr error // the worker's own error, as it returned it
+	stalled := false    // pgidem cancelled the worker: its lease renewals failed
 	res, err := pgidem.DoResult(reserveCtx, m.coord, out.Namespace, out.Key, ttl, opts,
 		func(fnCtx context.Context) (effectRecord, error) {
 			if !timer.Stop() {
@@ -664,6 +668,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 			workCtx = context.WithValue(workCtx, handledJobKey{}, job.ID)
 			if err := doInner(workCtx); err != nil {
 				workerErr = err
+				stalled = ctx.Err() == nil && errors.Is(context.Cause(fnCtx), pgidem.ErrLeaseLost)
 				return effectRecord{}, err
 			}
 			succeeded = true
@@ -772,6 +777,14 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		out.Action = ActionError
 		return fmt.Errorf("pgidemriver: job %d (%s): the worker stopped after its reservation's lease was lost (%w); it returned: %w",
 			job.ID, job.Kind, pgidem.ErrLeaseLost, err)
+	case ran && stalled:
+		// pgidem cancelled the worker because its lease could not be renewed in time (a
+		// slow or unreachable store, a starved pool), and then released the record, which
+		// nobody had taken over: say so, or River's errors column would show a bare
+		// "context canceled". Not a lost lease (it matches nothing of pgidem's).
+		out.Action = ActionReleased
+		return fmt.Errorf("pgidemriver: job %d (%s): pgidem cancelled the worker because its lease could not be renewed in time; the record was released, and River retries the job; the worker returned: %w",
+			job.ID, job.Kind, err)
 	case ran:
 		out.Action = ActionReleased
 		return err // the worker's error, unchanged

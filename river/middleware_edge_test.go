@@ -825,9 +825,10 @@ func TestLeaseLostWorkerReturnsContextError(t *testing.T) {
 
 // Renewals that merely stall (a lock on the record, a slow store) cancel the worker with
 // cause pgidem.ErrLeaseLost before anyone took the record over; when the release that
-// follows finds the reservation still this execution's, the worker's error is returned
-// unchanged and the outcome is a release, not a lost lease. (A check of the context's
-// cause used to report a lost lease here.)
+// follows finds the reservation still this execution's, the outcome is a release, not a
+// lost lease, and the worker's error is returned wrapped in one that says pgidem cancelled
+// it (River's errors column used to show a bare "context canceled"). (A check of the
+// context's cause used to report a lost lease here.)
 func TestStalledRenewalIsNotALostLease(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -844,6 +845,7 @@ func TestStalledRenewalIsNotALostLease(t *testing.T) {
 	err = <-errCh
 	require.ErrorIs(t, err, context.Canceled)
 	require.NotErrorIs(t, err, pgidem.ErrLeaseLost)
+	require.ErrorContains(t, err, "lease could not be renewed in time")
 	outs.waitFor(t, pgidemriver.ActionReleased)
 	_, err = b.coord.Lookup(b.ctx, "mail.invoice", "order-12.invoice")
 	require.ErrorIs(t, err, pgidem.ErrNotFound, "released")

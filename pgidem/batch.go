@@ -37,10 +37,6 @@ const batchLockTimeout = "50ms"
 // back.
 var errBatchFallback = errors.New("pgidem: batch rolled back; run alone")
 
-// errRoundNotSent tells a member to run its own single-key statement: its round's leader
-// gave up waiting for a pool connection (its context ended), so nothing was sent.
-var errRoundNotSent = errors.New("pgidem: round not sent; run alone")
-
 // batchItem is one caller's request in a batcher and, once its round ran, the outcome.
 type batchItem[Req, Res any] struct {
 	req  Req
@@ -50,11 +46,17 @@ type batchItem[Req, Res any] struct {
 }
 
 // batcher groups concurrent requests for one statement. At most one round runs at a time:
-// run is called by the leading caller with the requests of one round (the leader's first)
-// and sets each item's res or err; an item left with errBatchFallback runs alone.
+// run is called by the leading caller with its own item, and calls take (at most once)
+// when it is about to send, for the queued requests the round carries; it sets the
+// leader's and each taken item's res or err. An item left with errBatchFallback runs
+// alone. Requests run does not take stay queued, and the next of them leads a round.
 type batcher[Req, Res any] struct {
 	max int // the most requests a round carries; 1: every call runs alone, at once
-	run func(ctx context.Context, items []*batchItem[Req, Res])
+	run func(ctx context.Context, leader *batchItem[Req, Res], take func() []*batchItem[Req, Res])
+
+	// leave, when set, lets a queued caller whose context ends before a round took it
+	// leave the queue (nothing was sent for it): do then returns leave(ctx).
+	leave func(ctx context.Context) error
 
 	// size, when set, weighs a request in bytes, and a round takes queued requests only
 	// while their sizes with the leader's stay within maxBytes (the leader's own always
@@ -68,22 +70,28 @@ type batcher[Req, Res any] struct {
 	queue []*batchItem[Req, Res] // callers waiting for the next round; empty when !busy
 }
 
-// do queues req and returns its outcome once a round carried it. A caller that waits is not
-// interrupted by its context: rounds run on a detached context bounded by FinishTimeout,
-// like the single-key statements, so an outcome is always known. A caller waits for the
+// do queues req and returns its outcome once a round carried it. A caller taken into a
+// round is not interrupted by its context: rounds run on a detached context bounded by
+// FinishTimeout, like the single-key statements, so an outcome is always known. Before
+// that it leaves when its context ends, if the batcher has leave. A caller waits for the
 // rounds ahead of it (one, unless more than max callers, or more than the byte budget, are
 // queued) and then its own.
 func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 	it := &batchItem[Req, Res]{req: req, err: errBatchFallback, wake: make(chan bool, 1)}
 	if b.max <= 1 {
-		b.run(ctx, []*batchItem[Req, Res]{it})
+		b.run(ctx, it, func() []*batchItem[Req, Res] { return nil })
 		return it.res, it.err
 	}
 	b.mu.Lock()
 	if b.busy {
 		b.queue = append(b.queue, it)
 		b.mu.Unlock()
-		if !<-it.wake {
+		lead, stayed := b.wait(ctx, it)
+		if !stayed {
+			var zero Res
+			return zero, b.leave(ctx)
+		}
+		if !lead {
 			return it.res, it.err
 		}
 	} else {
@@ -91,24 +99,33 @@ func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 		b.mu.Unlock()
 	}
 
-	// Leading a round: it carries this call and up to max-1 of those queued, in order,
-	// within the byte budget.
-	b.mu.Lock()
-	n := min(len(b.queue), b.max-1)
-	if b.size != nil {
-		total := b.size(req)
-		for i := range n {
-			if total += b.size(b.queue[i].req); total > b.maxBytes {
-				n = i
-				break
+	// Leading a round: it carries this call and, once run takes them, up to max-1 of those
+	// queued, in order, within the byte budget.
+	var taken []*batchItem[Req, Res]
+	took := false
+	take := func() []*batchItem[Req, Res] {
+		if took {
+			return taken
+		}
+		took = true
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		n := min(len(b.queue), b.max-1)
+		if b.size != nil {
+			total := b.size(req)
+			for i := range n {
+				if total += b.size(b.queue[i].req); total > b.maxBytes {
+					n = i
+					break
+				}
 			}
 		}
+		taken = slices.Clone(b.queue[:n])
+		b.queue = slices.Delete(b.queue, 0, n)
+		return taken
 	}
-	items := append([]*batchItem[Req, Res]{it}, b.queue[:n]...)
-	b.queue = slices.Delete(b.queue, 0, n)
-	b.mu.Unlock()
 	defer func() { // deferred so that a panicking run still lets every waiter go
-		for _, o := range items[1:] {
+		for _, o := range taken {
 			o.wake <- false
 		}
 		b.mu.Lock()
@@ -121,8 +138,30 @@ func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 		}
 		b.mu.Unlock()
 	}()
-	b.run(ctx, items)
+	b.run(ctx, it, take)
 	return it.res, it.err
+}
+
+// wait waits for a queued caller's turn: lead reports that it leads the next round, else
+// a round carried it. stayed is false when it left the queue instead, its context having
+// ended before any round took it (only with leave).
+func (b *batcher[Req, Res]) wait(ctx context.Context, it *batchItem[Req, Res]) (lead, stayed bool) {
+	if b.leave == nil {
+		return <-it.wake, true
+	}
+	select {
+	case lead := <-it.wake:
+		return lead, true
+	case <-ctx.Done():
+	}
+	b.mu.Lock()
+	if i := slices.Index(b.queue, it); i >= 0 {
+		b.queue = slices.Delete(b.queue, i, i+1)
+		b.mu.Unlock()
+		return false, false
+	}
+	b.mu.Unlock()
+	return <-it.wake, true // a round took it, or it was handed the lead: see it through
 }
 
 // reserveReq is one reserving insert: the call, the owner token it reserves with, and its
@@ -142,29 +181,37 @@ type completeReq struct {
 	result, failure []byte
 }
 
-// runReserves runs one round of reserving inserts: the single-key statement for one, the
+// runReserves runs a round of reserving inserts for items (the leader first), as
+// leadReserves with the members given; for tests.
+func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserveReq, row]) {
+	c.leadReserves(ctx, items[0], func() []*batchItem[reserveReq, row] { return items[1:] })
+}
+
+// leadReserves runs one round of reserving inserts: the single-key statement for one, the
 // array statement for more. An item that comes back without a row gets pgx.ErrNoRows, as
 // the single-key statement would (its key was also in the batch, or committed after the
 // statement's snapshot): acquire reads again.
 //
-// ctx is the leading caller's. Waiting for a pool connection sends nothing, so that wait
-// ends with ctx: the leader then returns ctx's error (as a *notSentError) and every other
-// member runs alone (errRoundNotSent), waiting for a connection on its own context.
-func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserveReq, row]) {
+// ctx is the leader's. The round takes its members (take) only once it has a pool
+// connection: waiting for one sends nothing, so the wait ends with ctx, and the leader
+// then returns ctx's error (a *notHeldError) while those queued stay queued, for the next
+// of them to lead, on its own context, and free to leave when theirs ends. A wait that
+// outlasts FinishTimeout fails the members queued too: they would wait as long.
+func (c *Coordinator) leadReserves(ctx context.Context, leader *batchItem[reserveReq, row], take func() []*batchItem[reserveReq, row]) {
 	ctx, cancel, conn, err := c.detachedConn(ctx, false)
 	if err != nil {
-		for i, it := range items {
-			it.res, it.err = row{}, err
-			switch {
-			case i == 0:
-			case err.(*notHeldError).callerEnded: // the leader's context ended: nothing was sent
-				it.err = errRoundNotSent
-			case it.req.ctx.Err() != nil: // so did this member's, while it waited
-				it.err = &notHeldError{err: it.req.ctx.Err(), callerEnded: true}
+		leader.res, leader.err = row{}, err
+		if !err.(*notHeldError).callerEnded {
+			for _, it := range take() {
+				it.res, it.err = row{}, err
+				if callerErr := it.req.ctx.Err(); callerErr != nil {
+					it.err = &notHeldError{err: callerErr, callerEnded: true}
+				}
 			}
 		}
 		return
 	}
+	items := append([]*batchItem[reserveReq, row]{leader}, take()...)
 	held := &heldConn{pool: c.pool, conn: conn}
 	defer cancel()
 	defer held.release()

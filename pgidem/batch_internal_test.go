@@ -33,7 +33,8 @@ func gatedBatcher(max int, gate <-chan struct{}, started chan<- struct{}) (*batc
 	var mu sync.Mutex
 	var rounds [][]int
 	b := &batcher[int, int]{max: max}
-	b.run = func(_ context.Context, items []*batchItem[int, int]) {
+	b.run = func(_ context.Context, leader *batchItem[int, int], take func() []*batchItem[int, int]) {
+		items := append([]*batchItem[int, int]{leader}, take()...)
 		mu.Lock()
 		first := len(rounds) == 0
 		var reqs []int
@@ -157,7 +158,8 @@ func TestBatcherMaxOneRunsEveryCallAtOnce(t *testing.T) {
 func TestBatcherPanickingRoundReleasesWaiters(t *testing.T) {
 	gate, started := make(chan struct{}), make(chan struct{}, 1)
 	b := &batcher[int, int]{max: 8}
-	b.run = func(_ context.Context, items []*batchItem[int, int]) {
+	b.run = func(_ context.Context, leader *batchItem[int, int], take func() []*batchItem[int, int]) {
+		items := append([]*batchItem[int, int]{leader}, take()...)
 		if items[0].req == 0 {
 			started <- struct{}{}
 			<-gate
@@ -336,9 +338,12 @@ func poolOfOne(t *testing.T, db *testdb.DB) *pgxpool.Pool {
 	return pool
 }
 
-// A round whose leader's context ends while it waits for a pool connection sends nothing:
-// the leader gets its context's error, and every other member is sent to run alone (on its
-// own context), not failed with the leader's error.
+// A round takes its members only once it has a connection. A leader whose context ends
+// while it waits for one gets its context's error and takes no one: the callers queued
+// behind it stay queued, the next of them leads on its own context, and one whose context
+// ends meanwhile leaves the queue at once with its context's error, nothing sent. (A
+// queued caller used to wait for the leader's connection, up to FinishTimeout, whatever
+// its own context did: River's StopAndCancel waited for it.)
 func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
 	_, db := batchFixture(t)
 	ctx := context.Background()
@@ -349,16 +354,44 @@ func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
 	require.NoError(t, err)
 	defer held.Release()
 
-	leaderCtx, cancel := context.WithCancel(ctx)
-	cancel()
-	items := reserveItems(t, c, "leader", "follower")
-	c.runReserves(leaderCtx, items)
-	require.ErrorIs(t, items[0].err, context.Canceled)
-	require.ErrorIs(t, callerEnded(items[0].err), context.Canceled)
-	require.ErrorIs(t, items[1].err, errRoundNotSent)
-	held.Release()
-	rec, err := c.Lookup(ctx, "ns", "leader")
-	require.ErrorIs(t, err, ErrNotFound, "%+v", rec)
+	reserve := func(ctx context.Context, key string) chan error {
+		done := make(chan error, 1)
+		go func() {
+			_, err := DoResult(ctx, c, "ns", key, time.Hour, &DoOpts{ReserveFirst: true},
+				func(context.Context) (int, error) { return 1, nil })
+			done <- err
+		}()
+		return done
+	}
+	leaderCtx, cancelLeader := context.WithCancel(ctx)
+	leader := reserve(leaderCtx, "leader")
+	require.Eventually(t, func() bool { // leading: the batcher is busy, its round waits for the pool
+		c.reserves.mu.Lock()
+		defer c.reserves.mu.Unlock()
+		return c.reserves.busy
+	}, 10*time.Second, time.Millisecond)
+	leavingCtx, cancelLeaving := context.WithCancel(ctx)
+	leaving := reserve(leavingCtx, "leaving")
+	next := reserve(ctx, "next")
+	require.Eventually(t, func() bool { return c.reserves.queued() == 2 }, 10*time.Second, time.Millisecond)
+
+	cancelLeaving()
+	select {
+	case err = <-leaving:
+	case <-time.After(30 * time.Second): // failure cap, not a timing assertion
+		cancelLeader()
+		t.Fatal("a queued caller whose context ended still waited for the round's leader")
+	}
+	require.ErrorIs(t, err, context.Canceled)
+	require.NotErrorIs(t, err, ErrStoreUnavailable)
+	cancelLeader()
+	require.ErrorIs(t, <-leader, context.Canceled)
+	held.Release() // the next caller, leading now on its own context, gets the connection
+	require.NoError(t, <-next)
+	for _, key := range []string{"leader", "leaving"} {
+		rec, err := c.Lookup(ctx, "ns", key)
+		require.ErrorIs(t, err, ErrNotFound, "%s: %+v", key, rec)
+	}
 }
 
 // A member of a round whose context ended while the round ran gets its context's error,
@@ -513,10 +546,10 @@ func TestHeartbeatCoversAQueuedCompletion(t *testing.T) {
 	ctx := context.Background()
 	inRound, proceed := make(chan struct{}), make(chan struct{})
 	run := c.completes.run
-	c.completes.run = func(ctx context.Context, items []*batchItem[completeReq, struct{}]) {
+	c.completes.run = func(ctx context.Context, leader *batchItem[completeReq, struct{}], take func() []*batchItem[completeReq, struct{}]) {
 		close(inRound)
 		<-proceed // the round is slow: longer than a lease
-		run(ctx, items)
+		run(ctx, leader, take)
 	}
 	done := make(chan error, 1)
 	go func() {

@@ -2,6 +2,7 @@ package pgidem
 
 import (
 	"cmp"
+	"context"
 	"log/slog"
 	"strings"
 	"time"
@@ -288,8 +289,13 @@ func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 		return nil, err
 	}
 	c := &Coordinator{pool: pool, config: cfg, sql: newStatements(cfg.Schema), planEach: planEachExecution(pool.Config().ConnConfig)}
-	c.reserves = &batcher[reserveReq, row]{max: cfg.MaxBatch, run: c.runReserves}
-	c.completes = &batcher[completeReq, struct{}]{max: cfg.MaxBatch, run: c.runCompletes,
+	c.reserves = &batcher[reserveReq, row]{max: cfg.MaxBatch, run: c.leadReserves,
+		// Nothing was sent for a queued reservation: its caller may go.
+		leave: func(ctx context.Context) error { return &notHeldError{err: ctx.Err(), callerEnded: true} }}
+	c.completes = &batcher[completeReq, struct{}]{max: cfg.MaxBatch, // a completion must be written: no leave
+		run: func(ctx context.Context, leader *batchItem[completeReq, struct{}], take func() []*batchItem[completeReq, struct{}]) {
+			c.runCompletes(ctx, append([]*batchItem[completeReq, struct{}]{leader}, take()...))
+		},
 		size: func(r completeReq) int { return len(r.result) + len(r.failure) }, maxBytes: cfg.MaxValueBytes}
 	return c, nil
 }

@@ -160,10 +160,10 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // the calls holding one, such as handlers inside [Coordinator.InboxHandle] or [DoInTx]
 // calling Do), the statements before fn wait for a connection while ctx lasts and, when
 // ctx ends first, return its error with nothing sent (with or without
-// [DoOpts.ReserveFirst]); the reserving statement waits at most [Config.FinishTimeout]
-// and then returns a [*StoreError]. A call queued behind a concurrent call's shared
-// reserving statement waits for that statement's connection too, up to
-// [Config.FinishTimeout]. Size the pool for the calls in flight. Safe for concurrent use.
+// [DoOpts.ReserveFirst]), also while queued behind a concurrent call's shared reserving
+// statement that waits for its connection; the reserving statement waits at most
+// [Config.FinishTimeout] and then returns a [*StoreError]. Size the pool for the calls in
+// flight. Safe for concurrent use.
 func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context) (T, error)) (Result[T], error) {
 	var res Result[T]
 	if c == nil || fn == nil {
@@ -500,7 +500,6 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 	if sql == c.sql.reserve && c.config.MaxBatch > 1 {
 		r, err := c.reserves.do(ctx, reserveReq{ctx: ctx, cl: cl, owner: owner})
 		switch {
-		case err == errRoundNotSent: // the round's leader gave up waiting for a connection
 		case err == errBatchFallback:
 			refused = true
 		case replyLost(err):

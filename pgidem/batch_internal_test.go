@@ -419,7 +419,7 @@ func TestRoundReleasesMembersWhoseContextEnded(t *testing.T) {
 			pool, err := pgxpool.NewWithConfig(ctx, cfg)
 			require.NoError(t, err)
 			t.Cleanup(pool.Close)
-			c, err := NewCoordinator(pool, &Config{FinishTimeout: time.Second})
+			c, err := NewCoordinator(pool, &Config{FinishTimeout: 10 * time.Second})
 			require.NoError(t, err)
 
 			items := reserveItems(t, c, "kept", "ended-1", "ended-2")

@@ -751,19 +751,29 @@ func TestPoolExhaustedBeforeFn(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			pool := b.newPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+			ctx, cancel := context.WithCancelCause(b.ctx)
+			defer cancel(nil)
+			var armed, waited atomic.Bool
+			tracer := &acquireSignal{onAcquire: func(actx context.Context) {
+				// The call is waiting for the pool's only connection: its caller leaves.
+				if armed.Load() && actx.Value(testCallKey{}) != nil {
+					waited.Store(true)
+					time.AfterFunc(20*time.Millisecond, func() { cancel(nil) }) // let it block in the pool first
+				}
+			}}
+			pool := b.newPool(t, func(c *pgxpool.Config) { c.MaxConns = 1; c.ConnConfig.Tracer = tracer })
 			coord := b.newCoordOn(t, pool, &pgidem.Config{MaxBatch: tc.maxBatch, FinishTimeout: time.Minute})
 			held, err := pool.Acquire(b.ctx)
 			require.NoError(t, err)
 			defer held.Release() // before the pool's cleanup closes it, should a check fail
+			armed.Store(true)
 
-			ctx, cancel := context.WithTimeout(b.ctx, 200*time.Millisecond)
-			defer cancel()
 			ran := false
-			_, err = pgidem.Do(ctx, coord, "mail", tc.name, testTTL, &pgidem.DoOpts{ReserveFirst: tc.reserveFirst},
+			_, err = pgidem.Do(context.WithValue(ctx, testCallKey{}, true), coord, "mail", tc.name, testTTL, &pgidem.DoOpts{ReserveFirst: tc.reserveFirst},
 				func(context.Context) (int, error) { ran = true; return 1, nil })
-			require.ErrorIs(t, err, context.DeadlineExceeded)
-			require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable, "the caller's deadline, not the store's failure")
+			require.True(t, waited.Load(), "the call waited for a connection")
+			require.ErrorIs(t, err, context.Canceled)
+			require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable, "the caller's cancellation, not the store's failure")
 			require.False(t, ran)
 			held.Release()
 
@@ -802,8 +812,14 @@ func TestCancelledReservationReleasedOnItsConnection(t *testing.T) {
 			key := tc.name
 			d := &lostReplyDialer{marker: []byte("WITH deleted AS"), unsent: true}
 			d.fired.Store(!tc.broke)
-			pool := b.dialerPool(t, d, 1)
-			coord := b.newCoordOn(t, pool, &pgidem.Config{MaxBatch: tc.maxBatch, FinishTimeout: time.Second})
+			hogQueued := make(chan struct{})
+			tracer := &acquireSignal{onAcquire: func(actx context.Context) {
+				if actx.Value(hogKey{}) != nil {
+					close(hogQueued)
+				}
+			}}
+			pool := b.dialerPool(t, d, func(cfg *pgxpool.Config) { cfg.MaxConns = 1; cfg.ConnConfig.Tracer = tracer })
+			coord := b.newCoordOn(t, pool, &pgidem.Config{MaxBatch: tc.maxBatch, FinishTimeout: 10 * time.Second})
 			tx, err := b.db.Pool.Begin(b.ctx)
 			require.NoError(t, err)
 			defer func() { _ = tx.Rollback(b.ctx) }()
@@ -828,15 +844,16 @@ func TestCancelledReservationReleasedOnItsConnection(t *testing.T) {
 				return err == nil && waiting == 1
 			}, 30*time.Second, 5*time.Millisecond)
 			hogged := make(chan *pgxpool.Conn, 1)
+			waitedBefore := pool.Stat().EmptyAcquireCount()
 			if tc.queued {
 				go func() {
-					conn, err := pool.Acquire(b.ctx) // queued for the only connection
+					conn, err := pool.Acquire(context.WithValue(b.ctx, hogKey{}, true)) // queued for the only connection
 					if err != nil {
 						conn = nil
 					}
 					hogged <- conn
 				}()
-				time.Sleep(100 * time.Millisecond) // lets the goroutine queue (the test passes either way once fixed)
+				<-hogQueued // its Acquire started, on a pool whose only connection the call holds
 			}
 			cancel()
 			require.NoError(t, tx.Rollback(b.ctx)) // the insert now reserves the key
@@ -845,9 +862,10 @@ func TestCancelledReservationReleasedOnItsConnection(t *testing.T) {
 				require.True(t, d.fired.Load(), "the release's first attempt broke its connection")
 			}
 			if tc.queued {
-				if conn := <-hogged; conn != nil {
-					conn.Release()
-				}
+				conn := <-hogged
+				require.NotNil(t, conn)
+				require.Greater(t, pool.Stat().EmptyAcquireCount(), waitedBefore, "the other goroutine waited for the connection")
+				conn.Release()
 			}
 			rec, err := coord.Lookup(b.ctx, "mail", key)
 			if err == nil {
@@ -1360,3 +1378,9 @@ func TestResultLeaseLost(t *testing.T) {
 	require.Equal(t, boom, err)
 	require.False(t, res.LeaseLost, "released normally")
 }
+
+// testCallKey marks the context of the call a test watches in the pool's tracer.
+type testCallKey struct{}
+
+// hogKey marks the context of a test's own Acquire that queues for a pool's connection.
+type hogKey struct{}

@@ -71,17 +71,17 @@ func (d *lostReplyDialer) dial(ctx context.Context, network, addr string) (net.C
 func (b *testBundle) lostReplyPool(t *testing.T, marker string) (*pgxpool.Pool, *lostReplyDialer) {
 	t.Helper()
 	d := &lostReplyDialer{marker: []byte(marker)}
-	return b.dialerPool(t, d, 0), d
+	return b.dialerPool(t, d, nil), d
 }
 
-// dialerPool returns a pool on the bundle's database of at most maxConns connections (0:
-// pgxpool's default) made through d, sending statements with their text each time and
-// without TLS, so d sees them on the wire.
-func (b *testBundle) dialerPool(t *testing.T, d *lostReplyDialer, maxConns int32) *pgxpool.Pool {
+// dialerPool returns a pool on the bundle's database whose connections d makes, sending
+// statements with their text each time and without TLS, so d sees them on the wire;
+// configure (which may be nil) adjusts the rest of its config.
+func (b *testBundle) dialerPool(t *testing.T, d *lostReplyDialer, configure func(*pgxpool.Config)) *pgxpool.Pool {
 	t.Helper()
 	return b.newPool(t, func(cfg *pgxpool.Config) {
-		if maxConns > 0 {
-			cfg.MaxConns = maxConns
+		if configure != nil {
+			configure(cfg)
 		}
 		cfg.ConnConfig.DialFunc = d.dial
 		cfg.ConnConfig.TLSConfig = nil

@@ -30,7 +30,7 @@ func TestEveryQueryExecMode(t *testing.T) {
 			b := setup(t, nil)
 			pool := b.newPool(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode })
 			// A lease long enough that a busy machine's slow commits do not lose it.
-			coord := b.newCoordOn(t, pool, &pgidem.Config{Lease: time.Second})
+			coord := b.newCoordOn(t, pool, &pgidem.Config{Lease: 3 * time.Second})
 			ctx := b.ctx
 			value := map[string]any{"id": "em_1", "text": "naïve ☃ 'quoted' \"double\" \\ {a,b} NULL", "n": 1.5}
 
@@ -41,16 +41,30 @@ func TestEveryQueryExecMode(t *testing.T) {
 				require.Equal(t, value, got)
 			}
 
-			// A slow effect: the heartbeat renews the lease (every 333 ms) while it runs.
+			// A slow effect: it runs until the heartbeat (every second) has renewed its lease
+			// once in this mode.
 			_, err := pgidem.Do(ctx, coord, "mail", "slow", testTTL, nil, func(ctx context.Context) (int, error) {
-				select {
-				case <-time.After(2500 * time.Millisecond):
-					return 1, nil
-				case <-ctx.Done():
-					return 0, context.Cause(ctx)
+				leaseEnd := func() (end time.Time) {
+					require.NoError(t, b.db.Pool.QueryRow(ctx,
+						`SELECT lease_expires_at FROM pgidem_record WHERE namespace = 'mail' AND key = 'slow'`).Scan(&end))
+					return end
+				}
+				granted := leaseEnd()
+				deadline := time.After(30 * time.Second) // failure cap, not a timing assertion
+				for {
+					select {
+					case <-time.After(50 * time.Millisecond):
+						if leaseEnd().After(granted) {
+							return 1, nil
+						}
+					case <-deadline:
+						return 0, errors.New("the lease was never renewed")
+					case <-ctx.Done():
+						return 0, context.Cause(ctx)
+					}
 				}
 			})
-			require.NoError(t, err, "the heartbeat kept the lease")
+			require.NoError(t, err, "the heartbeat renewed the lease")
 
 			// Completions sharing rounds.
 			done := make(chan error, 8)

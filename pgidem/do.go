@@ -518,21 +518,20 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 	defer cancel()
 	// The connection stays with the caller while it holds a reservation made on it, so
 	// that renewing or releasing it before fn runs needs no other (keepReservation).
+	q := &heldConn{pool: c.pool, conn: conn}
 	defer func() {
 		if err != nil || !ownedBy(&r, owner) {
-			conn.Release()
-			held = nil
+			q.release()
 		}
+		held = q.conn
 	}()
-	held = conn
-	var q executor = conn
 	for attempt := 0; ; attempt++ {
 		if unknown {
-			if mine, ok, err := c.ownReservation(wctx, q, cl, owner); err != nil || ok {
-				return mine, held, refused, err
+			if mine, ok, err := c.ownReservation(wctx, q.q(), cl, owner); err != nil || ok {
+				return mine, nil, refused, err
 			}
 		}
-		r, err = c.reserveOne(wctx, q, sql, cl, owner)
+		r, err = c.reserveOne(wctx, q.q(), sql, cl, owner)
 		if unknown && err == nil && !r.inserted && ownedBy(&r, owner) {
 			// The first write committed after the read above (it was still running on the
 			// server, behind a lock): the insert finds its own row.
@@ -541,16 +540,15 @@ func (c *Coordinator) reserveWrite(ctx context.Context, sql string, cl *call) (r
 		if unknown && errors.Is(err, pgx.ErrNoRows) {
 			// Or this write waited for the first one to finish and then matched nothing:
 			// look once more, now that the first is done.
-			if mine, ok, rerr := c.ownReservation(wctx, q, cl, owner); rerr != nil || ok {
-				return mine, held, refused, rerr
+			if mine, ok, rerr := c.ownReservation(wctx, q.q(), cl, owner); rerr != nil || ok {
+				return mine, nil, refused, rerr
 			}
 		}
 		if attempt > 0 || !replyLost(err) {
-			return r, held, refused, err
+			return r, nil, refused, err
 		}
 		unknown, refused = true, true
-		conn.Release() // the connection may be broken; with a pool of one, the retry needs it
-		held, q = nil, c.pool
+		q.release() // the connection may be broken; with a pool of one, the retry needs it
 	}
 }
 

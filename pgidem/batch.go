@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"sort"
 	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -39,20 +41,22 @@ var errBatchFallback = errors.New("pgidem: batch rolled back; run alone")
 
 // batchItem is one caller's request in a batcher and, once its round ran, the outcome.
 type batchItem[Req, Res any] struct {
-	req  Req
-	res  Res
-	err  error
-	wake chan bool // receives false when res and err are set, true when this caller leads the next round
+	req    Req
+	res    Res
+	err    error
+	wake   chan bool // receives false when res and err are set, true when this caller leads the next round
+	queued time.Time // when it joined the queue
 }
 
 // batcher groups concurrent requests for one statement. At most one round runs at a time:
 // run is called by the leading caller with its own item, and calls take (at most once)
-// when it is about to send, for the queued requests the round carries; it sets the
-// leader's and each taken item's res or err. An item left with errBatchFallback runs
+// when it is about to send, for the queued requests the round carries (take(d) with d > 0
+// takes only those queued for d or longer); it sets the leader's and each taken item's
+// res or err. An item left with errBatchFallback runs
 // alone. Requests run does not take stay queued, and the next of them leads a round.
 type batcher[Req, Res any] struct {
 	max int // the most requests a round carries; 1: every call runs alone, at once
-	run func(ctx context.Context, leader *batchItem[Req, Res], take func() []*batchItem[Req, Res])
+	run func(ctx context.Context, leader *batchItem[Req, Res], take func(waited time.Duration) []*batchItem[Req, Res])
 
 	// leave, when set, lets a queued caller whose context ends before a round took it
 	// leave the queue (nothing was sent for it): do then returns leave(ctx).
@@ -79,11 +83,12 @@ type batcher[Req, Res any] struct {
 func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 	it := &batchItem[Req, Res]{req: req, err: errBatchFallback, wake: make(chan bool, 1)}
 	if b.max <= 1 {
-		b.run(ctx, it, func() []*batchItem[Req, Res] { return nil })
+		b.run(ctx, it, func(time.Duration) []*batchItem[Req, Res] { return nil })
 		return it.res, it.err
 	}
 	b.mu.Lock()
 	if b.busy {
+		it.queued = time.Now()
 		b.queue = append(b.queue, it)
 		b.mu.Unlock()
 		lead, stayed := b.wait(ctx, it)
@@ -103,7 +108,7 @@ func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 	// queued, in order, within the byte budget.
 	var taken []*batchItem[Req, Res]
 	took := false
-	take := func() []*batchItem[Req, Res] {
+	take := func(waited time.Duration) []*batchItem[Req, Res] {
 		if took {
 			return taken
 		}
@@ -111,6 +116,9 @@ func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 		b.mu.Lock()
 		defer b.mu.Unlock()
 		n := min(len(b.queue), b.max-1)
+		if waited > 0 { // the queue is in the order callers joined it
+			n = min(n, sort.Search(n, func(i int) bool { return time.Since(b.queue[i].queued) < waited }))
+		}
 		if b.size != nil {
 			total := b.size(req)
 			for i := range n {
@@ -184,7 +192,7 @@ type completeReq struct {
 // runReserves runs a round of reserving inserts for items (the leader first), as
 // leadReserves with the members given; for tests.
 func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserveReq, row]) {
-	c.leadReserves(ctx, items[0], func() []*batchItem[reserveReq, row] { return items[1:] })
+	c.leadReserves(ctx, items[0], func(time.Duration) []*batchItem[reserveReq, row] { return items[1:] })
 }
 
 // leadReserves runs one round of reserving inserts: the single-key statement for one, the
@@ -196,13 +204,14 @@ func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserv
 // connection: waiting for one sends nothing, so the wait ends with ctx, and the leader
 // then returns ctx's error (a *notHeldError) while those queued stay queued, for the next
 // of them to lead, on its own context, and free to leave when theirs ends. A wait that
-// outlasts FinishTimeout fails the members queued too: they would wait as long.
-func (c *Coordinator) leadReserves(ctx context.Context, leader *batchItem[reserveReq, row], take func() []*batchItem[reserveReq, row]) {
+// outlasts FinishTimeout also fails the members queued for FinishTimeout or longer, who
+// have waited as long; those queued since stay, and the next of them leads.
+func (c *Coordinator) leadReserves(ctx context.Context, leader *batchItem[reserveReq, row], take func(waited time.Duration) []*batchItem[reserveReq, row]) {
 	ctx, cancel, conn, err := c.detachedConn(ctx, false)
 	if err != nil {
 		leader.res, leader.err = row{}, err
 		if !err.(*notHeldError).callerEnded {
-			for _, it := range take() {
+			for _, it := range take(c.config.FinishTimeout) {
 				it.res, it.err = row{}, err
 				if callerErr := it.req.ctx.Err(); callerErr != nil {
 					it.err = &notHeldError{err: callerErr, callerEnded: true}
@@ -211,7 +220,7 @@ func (c *Coordinator) leadReserves(ctx context.Context, leader *batchItem[reserv
 		}
 		return
 	}
-	items := append([]*batchItem[reserveReq, row]{leader}, take()...)
+	items := append([]*batchItem[reserveReq, row]{leader}, take(0)...)
 	held := &heldConn{pool: c.pool, conn: conn}
 	defer cancel()
 	defer held.release()

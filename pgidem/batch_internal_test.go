@@ -33,8 +33,8 @@ func gatedBatcher(max int, gate <-chan struct{}, started chan<- struct{}) (*batc
 	var mu sync.Mutex
 	var rounds [][]int
 	b := &batcher[int, int]{max: max}
-	b.run = func(_ context.Context, leader *batchItem[int, int], take func() []*batchItem[int, int]) {
-		items := append([]*batchItem[int, int]{leader}, take()...)
+	b.run = func(_ context.Context, leader *batchItem[int, int], take func(time.Duration) []*batchItem[int, int]) {
+		items := append([]*batchItem[int, int]{leader}, take(0)...)
 		mu.Lock()
 		first := len(rounds) == 0
 		var reqs []int
@@ -158,8 +158,8 @@ func TestBatcherMaxOneRunsEveryCallAtOnce(t *testing.T) {
 func TestBatcherPanickingRoundReleasesWaiters(t *testing.T) {
 	gate, started := make(chan struct{}), make(chan struct{}, 1)
 	b := &batcher[int, int]{max: 8}
-	b.run = func(_ context.Context, leader *batchItem[int, int], take func() []*batchItem[int, int]) {
-		items := append([]*batchItem[int, int]{leader}, take()...)
+	b.run = func(_ context.Context, leader *batchItem[int, int], take func(time.Duration) []*batchItem[int, int]) {
+		items := append([]*batchItem[int, int]{leader}, take(0)...)
 		if items[0].req == 0 {
 			started <- struct{}{}
 			<-gate
@@ -338,6 +338,18 @@ func poolOfOne(t *testing.T, db *testdb.DB) *pgxpool.Pool {
 	return pool
 }
 
+// reserveInBackground runs a Do with ReserveFirst for key on c in a goroutine and returns
+// where its error arrives.
+func reserveInBackground(ctx context.Context, c *Coordinator, key string) chan error {
+	done := make(chan error, 1)
+	go func() {
+		_, err := DoResult(ctx, c, "ns", key, time.Hour, &DoOpts{ReserveFirst: true},
+			func(context.Context) (int, error) { return 1, nil })
+		done <- err
+	}()
+	return done
+}
+
 // A round takes its members only once it has a connection. A leader whose context ends
 // while it waits for one gets its context's error and takes no one: the callers queued
 // behind it stay queued, the next of them leads on its own context, and one whose context
@@ -354,25 +366,16 @@ func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
 	require.NoError(t, err)
 	defer held.Release()
 
-	reserve := func(ctx context.Context, key string) chan error {
-		done := make(chan error, 1)
-		go func() {
-			_, err := DoResult(ctx, c, "ns", key, time.Hour, &DoOpts{ReserveFirst: true},
-				func(context.Context) (int, error) { return 1, nil })
-			done <- err
-		}()
-		return done
-	}
 	leaderCtx, cancelLeader := context.WithCancel(ctx)
-	leader := reserve(leaderCtx, "leader")
+	leader := reserveInBackground(leaderCtx, c, "leader")
 	require.Eventually(t, func() bool { // leading: the batcher is busy, its round waits for the pool
 		c.reserves.mu.Lock()
 		defer c.reserves.mu.Unlock()
 		return c.reserves.busy
 	}, 10*time.Second, time.Millisecond)
 	leavingCtx, cancelLeaving := context.WithCancel(ctx)
-	leaving := reserve(leavingCtx, "leaving")
-	next := reserve(ctx, "next")
+	leaving := reserveInBackground(leavingCtx, c, "leaving")
+	next := reserveInBackground(ctx, c, "next")
 	require.Eventually(t, func() bool { return c.reserves.queued() == 2 }, 10*time.Second, time.Millisecond)
 
 	cancelLeaving()
@@ -392,6 +395,33 @@ func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
 		rec, err := c.Lookup(ctx, "ns", key)
 		require.ErrorIs(t, err, ErrNotFound, "%s: %+v", key, rec)
 	}
+}
+
+// A leader whose wait for a connection outlasts FinishTimeout fails, with a store error,
+// only the callers queued behind it for FinishTimeout or longer; one that queued late
+// stays queued, leads next on its own time, and gets the connection once one is free.
+// (Every queued caller used to get the leader's error, however briefly it had waited.)
+func TestRoundTimeoutFailsOnlyMembersThatWaitedAsLong(t *testing.T) {
+	_, db := batchFixture(t)
+	ctx := context.Background()
+	pool := poolOfOne(t, db)
+	c, err := NewCoordinator(pool, &Config{FinishTimeout: time.Second})
+	require.NoError(t, err)
+	held, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer held.Release()
+
+	leader := reserveInBackground(ctx, c, "leader")
+	require.Eventually(t, func() bool {
+		c.reserves.mu.Lock()
+		defer c.reserves.mu.Unlock()
+		return c.reserves.busy
+	}, 10*time.Second, time.Millisecond)
+	time.Sleep(700 * time.Millisecond) // the late caller queues in the leader's last 300 ms
+	late := reserveInBackground(ctx, c, "late")
+	require.ErrorIs(t, <-leader, ErrStoreUnavailable, "the leader waited FinishTimeout")
+	held.Release()
+	require.NoError(t, <-late, "the late caller had not waited as long: it leads next")
 }
 
 // A member of a round whose context ended while the round ran gets its context's error,
@@ -546,7 +576,7 @@ func TestHeartbeatCoversAQueuedCompletion(t *testing.T) {
 	ctx := context.Background()
 	inRound, proceed := make(chan struct{}), make(chan struct{})
 	run := c.completes.run
-	c.completes.run = func(ctx context.Context, leader *batchItem[completeReq, struct{}], take func() []*batchItem[completeReq, struct{}]) {
+	c.completes.run = func(ctx context.Context, leader *batchItem[completeReq, struct{}], take func(time.Duration) []*batchItem[completeReq, struct{}]) {
 		close(inRound)
 		<-proceed // the round is slow: longer than a lease
 		run(ctx, leader, take)

@@ -293,8 +293,8 @@ func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 		// Nothing was sent for a queued reservation: its caller may go.
 		leave: func(ctx context.Context) error { return &notHeldError{err: ctx.Err(), callerEnded: true} }}
 	c.completes = &batcher[completeReq, struct{}]{max: cfg.MaxBatch, // a completion must be written: no leave
-		run: func(ctx context.Context, leader *batchItem[completeReq, struct{}], take func() []*batchItem[completeReq, struct{}]) {
-			c.runCompletes(ctx, append([]*batchItem[completeReq, struct{}]{leader}, take()...))
+		run: func(ctx context.Context, leader *batchItem[completeReq, struct{}], take func(time.Duration) []*batchItem[completeReq, struct{}]) {
+			c.runCompletes(ctx, append([]*batchItem[completeReq, struct{}]{leader}, take(0)...))
 		},
 		size: func(r completeReq) int { return len(r.result) + len(r.failure) }, maxBytes: cfg.MaxValueBytes}
 	return c, nil

@@ -97,8 +97,13 @@ func ensureTemplate(ctx context.Context, serverURL, name string) error {
 	if err != nil {
 		return fmt.Errorf("testdb: look up template: %w", err)
 	}
-	// Templates of earlier migration revisions are no longer used: remove them.
-	rows, err := conn.Query(ctx, "SELECT datname FROM pg_database WHERE datname LIKE 'pgidem\\_tmpl\\_%' AND datname <> $1", name)
+	// Templates of other migration revisions are no longer used once they are an hour
+	// old: remove them. (A younger one may belong to a run of another checkout, on
+	// another branch, that is cloning it right now.)
+	rows, err := conn.Query(ctx, `SELECT datname FROM pg_database
+		WHERE datname LIKE 'pgidem\_tmpl\_%' AND datname <> $1
+			AND coalesce(substring(shobj_description(oid, 'pg_database') FROM '^pgidem test template made at (.*)$')::timestamptz,
+				'-infinity') < now() - interval '1 hour'`, name)
 	if err != nil {
 		return fmt.Errorf("testdb: list old templates: %w", err)
 	}
@@ -129,6 +134,11 @@ func ensureTemplate(ctx context.Context, serverURL, name string) error {
 		return err
 	}
 	if _, err := conn.Exec(ctx, "ALTER DATABASE "+pgx.Identifier{name}.Sanitize()+" WITH IS_TEMPLATE true"); err != nil {
+		return fmt.Errorf("testdb: mark template: %w", err)
+	}
+	// (COMMENT takes no parameters; the text is ours and holds no quote.)
+	if _, err := conn.Exec(ctx, fmt.Sprintf("COMMENT ON DATABASE %s IS 'pgidem test template made at %s'",
+		pgx.Identifier{name}.Sanitize(), time.Now().UTC().Format(time.RFC3339))); err != nil {
 		return fmt.Errorf("testdb: mark template: %w", err)
 	}
 	return nil

@@ -155,7 +155,10 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // DoTx serialises transactions on the same key with a transaction-scoped advisory lock
 // (pg_advisory_xact_lock) on a 64-bit hash of (namespace, key), held until tx ends. When
 // the lock is free it is taken and the record read in one round trip. When another
-// transaction holds it, the in-flight policy decides: [InFlightRaise] returns an
+// transaction holds it, the same round trip's read still counts: a completed record or a
+// stored failure within its TTL is final, so it is replayed without the lock (a
+// transaction that holds the lock only to replay, and stays open, delays nobody).
+// Otherwise the in-flight policy decides: [InFlightRaise] returns an
 // [*InProgressError] at once; [InFlightWait] waits for the lock under SET LOCAL
 // lock_timeout, inside a savepoint, and returns an [*InProgressError] with Waited set when
 // the wait timeout passes. Either way tx stays usable: the savepoint is rolled back and
@@ -482,7 +485,9 @@ func (c *Coordinator) txRead(ctx context.Context, tx pgx.Tx, cl *call) (r row, f
 // txLockAndRead takes the key's advisory lock in tx following the in-flight policy, then
 // reads the record. The uncontended case is one round trip: the try-lock and the read are
 // pipelined, and the server runs the read (taking its snapshot) only after the lock
-// statement finished, so the read sees every commit of the lock's previous holder.
+// statement finished, so the read sees every commit of the lock's previous holder. When
+// another transaction holds the lock but that read shows a finished record, the record is
+// returned without the lock: replaying it needs none.
 func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, start time.Time, waited *bool) (row, bool, error) {
 	id := lockKey(cl.namespace, cl.key)
 	var r row
@@ -492,7 +497,7 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 	br := tx.SendBatch(ctx, batch)
 	var readOnly, locked, found bool
 	err := br.QueryRow().Scan(&readOnly, &locked)
-	if err == nil && locked {
+	if err == nil {
 		err = br.QueryRow().Scan(r.scanTargets(false)...)
 		found = err == nil
 		if errors.Is(err, pgx.ErrNoRows) {
@@ -513,7 +518,10 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 		c.emitInvalid(ctx, cl.namespace)
 		return r, false, invalidArgument("DoTx: the transaction is read-only, so it cannot hold the record; fn was not run")
 	}
-	if locked {
+	if locked || (found && r.finished()) {
+		// A finished record is final until it expires (only Forget or an operator's SQL
+		// removes it sooner), so it replays without the lock: a transaction holding the
+		// lock, perhaps only to replay too, does not delay the caller.
 		return r, found, nil
 	}
 

@@ -227,6 +227,50 @@ func TestDoTxLockConflict(t *testing.T) {
 	}
 }
 
+// A finished record is final until it expires, so DoTx replays it without the key's lock:
+// another transaction that holds the lock (here one that replayed the record itself and
+// stays open) neither makes a Raise call report the key in progress nor makes a Wait call
+// wait for its end. A stored permanent failure replays the same way.
+func TestDoTxReplaysWithoutTheLock(t *testing.T) {
+	t.Parallel()
+	for _, stored := range []string{"Completed", "Failed"} {
+		for _, policy := range []pgidem.InFlightPolicy{pgidem.InFlightRaise, pgidem.InFlightWait} {
+			t.Run(fmt.Sprintf("%s/%v", stored, policy), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, nil)
+				_, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (string, error) {
+					if stored == "Failed" {
+						return "", pgidem.Permanent(errors.New("refused"))
+					}
+					return "first", nil
+				})
+				require.Equal(t, stored == "Failed", err != nil, "%v", err)
+
+				// An open transaction holds the key's lock after replaying.
+				holder := b.begin(t)
+				_, err = pgidem.DoTx(b.ctx, b.coord, holder, "ledger", "k", testTTL, nil,
+					func(ctx context.Context, tx pgx.Tx) (string, error) { return "holder", nil })
+				require.Equal(t, stored == "Failed", err != nil, "%v", err)
+
+				tx := b.begin(t)
+				res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "ledger", "k", testTTL,
+					&pgidem.DoOpts{InFlight: policy, WaitTimeout: 100 * time.Millisecond},
+					func(ctx context.Context, tx pgx.Tx) (string, error) { return "second", nil })
+				require.NotErrorIs(t, err, pgidem.ErrInProgress)
+				require.True(t, res.Replayed)
+				require.False(t, res.Waited)
+				if stored == "Failed" {
+					require.ErrorIs(t, err, pgidem.ErrPermanent)
+				} else {
+					require.NoError(t, err)
+					require.Equal(t, "first", res.Value)
+				}
+				requireUsable(t, b.ctx, tx)
+			})
+		}
+	}
+}
+
 func TestDoTxWaitsForLock(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

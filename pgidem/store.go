@@ -394,6 +394,10 @@ func (r *row) probeTargets() []any {
 // expired lease. Such a row is taken over.
 func (r *row) available() bool { return r.expired || r.leaseExpired }
 
+// finished reports whether the row is a completed record or a stored failure within its
+// TTL: what a call replays.
+func (r *row) finished() bool { return r.status != StatusInProgress && !r.available() }
+
 func (r *row) record(namespace, key string) *Record {
 	return &Record{
 		Namespace:      namespace,

@@ -804,7 +804,9 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, leas
 	defer func() {
 		if !finished { // fn panicked (or called runtime.Goexit): release, let the panic continue
 			hb.stop()
-			_ = c.finish(ctx, cl, owner, "release", c.sql.release)
+			if c.finish(ctx, cl, owner, "release", c.sql.release) == errFinishNoRow {
+				c.leaseLost(ctx, cl) // a store error is logged by finish
+			}
 		}
 	}()
 	fnErr := fn(fnCtx)

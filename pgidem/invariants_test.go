@@ -50,7 +50,8 @@ func (b *testBundle) insertDeadHolder(t *testing.T, ns, key string, fingerprint 
 // Only the owner can complete, fail or release. A holder whose reservation is no longer
 // its own — taken over after its lease expired (the new row has attempts 2), or deleted by
 // an operator and reserved afresh by another caller (attempts 1) — returns a Permanent
-// error, an ordinary error, or panics: none of them may rewrite the new holder's row.
+// error, an ordinary error, or panics: none of them may rewrite the new holder's row, and
+// each reports the lost lease (EventLeaseLost) once.
 func TestOnlyOwnerCanFailOrRelease(t *testing.T) {
 	t.Parallel()
 	for _, how := range []string{"TakenOver", "Forgotten"} {
@@ -65,7 +66,12 @@ func TestOnlyOwnerCanFailOrRelease(t *testing.T) {
 
 func testOnlyOwner(t *testing.T, how, mode string) {
 	const lease = 300 * time.Millisecond
-	b := setup(t, &pgidem.Config{Lease: lease})
+	var lost atomic.Int64
+	b := setup(t, &pgidem.Config{Lease: lease, Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		if e.Kind == pgidem.EventLeaseLost {
+			lost.Add(e.Count)
+		}
+	})})
 	declined := errors.New("declined")
 	started, proceed := make(chan struct{}), make(chan struct{})
 	type outcome struct {
@@ -124,6 +130,7 @@ func testOnlyOwner(t *testing.T, how, mode string) {
 	}
 
 	require.Equal(t, before, b.readRaw(t, "pay", "k"), "the stale holder rewrote the new holder's row")
+	require.Equal(t, int64(1), lost.Load(), "the stale holder's lost lease is counted once, whatever fn did")
 	var leaseLive bool
 	require.NoError(t, b.db.Pool.QueryRow(b.ctx,
 		`SELECT lease_expires_at > now() AND lease_expires_at <> updated_at FROM pgidem_record`).Scan(&leaseLive))

@@ -476,7 +476,8 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 // Requests the middleware refuses never reach next and are answered with problem details
 // (RFC 9457, Content-Type application/problem+json; [Problem]): a missing key when
 // [Config.Required] (400), an invalid key or one longer than the coordinator's
-// [pgidem.Config.MaxKeyBytes] less 23 bytes (400), a body over [Config.MaxRequestBytes]
+// [pgidem.Config.MaxKeyBytes] less 23 bytes (400, and counted as the coordinator's own
+// refusals are: [pgidem.EventInvalidKey] under [Config.Namespace]), a body over [Config.MaxRequestBytes]
 // (413), a caller [Config.Principal] cannot name (500), or a store that cannot be reached
 // (503: the request is not run unprotected, unless the coordinator opted into
 // [pgidem.Config.FailOpen]). The body is read before Principal is called; Principal and
@@ -520,6 +521,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		next.ServeHTTP(w, r)
 		return
 	case len(fields) > 1:
+		m.coord.ReportInvalidKey(r.Context(), m.config.Namespace)
 		m.problem(w, http.StatusBadRequest, "idempotency_key_invalid", "Idempotency-Key is invalid",
 			"The request carries more than one Idempotency-Key header.", nil)
 		return
@@ -529,6 +531,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		err = fmt.Errorf("the Idempotency-Key is %d bytes, longer than the limit of %d", len(key), m.maxKey)
 	}
 	if err != nil {
+		m.coord.ReportInvalidKey(r.Context(), m.config.Namespace)
 		m.problem(w, http.StatusBadRequest, "idempotency_key_invalid", "Idempotency-Key is invalid", capitalize(err.Error())+".", nil)
 		return
 	}

@@ -327,19 +327,26 @@ func TestMissingKey(t *testing.T) {
 
 func TestInvalidKey(t *testing.T) {
 	t.Parallel()
-	b := setup(t, nil)
-	h := b.handler(t, &pgidemhttp.Config{Required: true}, b.createOrder())
+	var invalid atomic.Int64
+	b := setup(t, &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		if e.Kind == pgidem.EventInvalidKey && e.Namespace == "http" {
+			invalid.Add(e.Count)
+		}
+	})})
+	h := b.handler(t, &pgidemhttp.Config{Required: true, Namespace: "http"}, b.createOrder())
 
-	for _, field := range []string{
+	fields := []string{
 		`""`, `"abc`, `"a\x"`, "a b", "\"caf\xc3\xa9\"", `"a", "b"`,
 		`"` + strings.Repeat("k", 300) + `"`, // longer than the coordinator's MaxKeyBytes with its principal
-	} {
+	}
+	for _, field := range fields {
 		requireProblem(t, serve(h, request("POST", "/orders", "alice", field, "x")), http.StatusBadRequest, "idempotency_key_invalid")
 	}
 	twice := request("POST", "/orders", "alice", `"a"`, "x")
 	twice.Header.Add(pgidemhttp.HeaderKey, `"b"`)
 	requireProblem(t, serve(h, twice), http.StatusBadRequest, "idempotency_key_invalid")
 	require.Equal(t, int64(0), b.calls.Load(), "an invalid key never runs the handler")
+	require.Equal(t, int64(len(fields)+1), invalid.Load(), "every refused key is counted as the coordinator's own refusals are")
 
 	var n int
 	require.NoError(t, b.db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pgidem_record`).Scan(&n))

@@ -70,6 +70,16 @@ type HookFunc func(ctx context.Context, event Event)
 // OnEvent calls f(ctx, event).
 func (f HookFunc) OnEvent(ctx context.Context, event Event) { f(ctx, event) }
 
+// ReportInvalidKey sends [EventInvalidKey] for namespace to [Config.Hook], as the
+// coordinator's own calls do when they refuse a key: for integrations that refuse an
+// idempotency key themselves before any call (pgidemhttp answers a malformed
+// Idempotency-Key header with 400), so that one counter covers every refused key. A
+// namespace that is itself invalid is reported as "". It touches no record, returns
+// nothing, and does nothing without a Hook. Safe for concurrent use.
+func (c *Coordinator) ReportInvalidKey(ctx context.Context, namespace string) {
+	c.emitInvalid(ctx, namespace)
+}
+
 // emitInvalid reports [EventInvalidKey] for a call whose namespace (or inbox consumer) is
 // namespace: under that namespace when it is valid, else under "".
 func (c *Coordinator) emitInvalid(ctx context.Context, namespace string) {

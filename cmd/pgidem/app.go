@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/spf13/cobra"
@@ -51,14 +52,65 @@ func usagef(format string, args ...any) error {
 	return &usageError{msg: fmt.Sprintf(format, args...)}
 }
 
+// interruptedError reports a command cut short because its context ended: main cancels
+// it on SIGINT (Ctrl-C) or SIGTERM. Its message says "interrupted", names the operation and,
+// where the command changes data, what is known of the change.
+type interruptedError struct{ msg string }
+
+func (e *interruptedError) Error() string { return e.msg }
+
+// interruptedf returns an [*interruptedError] with the message fmt.Sprintf(format, args...).
+func interruptedf(format string, args ...any) *interruptedError {
+	return &interruptedError{msg: fmt.Sprintf(format, args...)}
+}
+
+// outWriter is standard output as the commands see it. It remembers the first failed write
+// and refuses every later one, so a command cannot lose its output without a word: run
+// reports the failure ("write output: …", exit 1) once the command is done, whichever
+// command wrote (cobra's help included).
+type outWriter struct {
+	w   io.Writer
+	err error
+}
+
+// Write implements io.Writer.
+func (o *outWriter) Write(p []byte) (int, error) {
+	if o.err != nil {
+		return 0, o.err
+	}
+	n, err := o.w.Write(p)
+	if err == nil && n < len(p) {
+		err = io.ErrShortWrite
+	}
+	if err != nil {
+		o.err = err
+	}
+	return n, err
+}
+
+// writeError reports a failed write on standard output.
+func writeError(err error) error {
+	return fmt.Errorf("pgidem: write output: %w", err)
+}
+
 // run executes the CLI with args and returns the process exit code.
 func run(ctx context.Context, args []string, e *env) int {
+	out := &outWriter{w: e.stdout}
 	a := &app{env: *e}
+	a.stdout = out
 	root := a.rootCommand()
 	root.SetArgs(args)
 	cmd, err := root.ExecuteContextC(ctx)
-	if err == nil {
+	switch {
+	case err == nil && out.err == nil:
 		return exitOK
+	case err == nil:
+		// The command (or cobra's help) succeeded, but its output was lost.
+		fmt.Fprintln(a.stderr, oneLine(writeError(out.err).Error()))
+		return exitFailure
+	case out.err != nil && !errors.Is(err, out.err):
+		// The command failed, and writing its output failed too: say both.
+		err = fmt.Errorf("%w (and write output: %w)", err, out.err)
 	}
 	var ue *usageError
 	if !a.started || errors.As(err, &ue) {
@@ -70,11 +122,13 @@ func run(ctx context.Context, args []string, e *env) int {
 		fmt.Fprintf(a.stderr, "pgidem: %s (see '%s --help')\n", oneLine(msg), path)
 		return exitUsage
 	}
-	msg := err.Error()
-	if !strings.HasPrefix(msg, "pgidem: ") {
-		msg = "pgidem: " + msg
+	msg := strings.TrimPrefix(err.Error(), "pgidem: ")
+	var ie *interruptedError
+	if ctx.Err() != nil && !errors.As(err, &ie) && cmd != nil {
+		// An interrupt the command did not describe itself (a migration, say): name it.
+		msg = strings.TrimPrefix(cmd.CommandPath(), "pgidem ") + " interrupted: " + msg
 	}
-	fmt.Fprintln(a.stderr, oneLine(msg))
+	fmt.Fprintln(a.stderr, oneLine("pgidem: "+msg))
 	return exitFailure
 }
 
@@ -91,12 +145,31 @@ func oneLine(s string) string {
 // first checks the root's flags: an invalid one is a usage error.
 func (a *app) action(fn func(cmd *cobra.Command, args []string) error) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
+		// An explicitly empty value (a misspelled or unset shell variable) must not fall back
+		// to the default: for --database-url that is another database (DATABASE_URL, PG*),
+		// for --schema the search_path's schema, where forget, sweep and migrate down would
+		// then change the wrong data.
+		if err := checkNotEmptyFlag(cmd, "database-url", strings.TrimSpace(a.databaseURL), "to use DATABASE_URL, else libpq's PG* variables"); err != nil {
+			return err
+		}
+		if err := checkNotEmptyFlag(cmd, "schema", a.schema, "to use the connection's search_path"); err != nil {
+			return err
+		}
 		if err := checkSchemaFlag("--schema", a.schema); err != nil {
 			return err
 		}
 		a.started = true
 		return fn(cmd, args)
 	}
+}
+
+// checkNotEmptyFlag returns a usage error when the flag called name was given with an empty
+// value; omitting, the message says, does what the empty value would have done.
+func checkNotEmptyFlag(cmd *cobra.Command, name, value, omitted string) error {
+	if cmd.Flags().Changed(name) && value == "" {
+		return usagef("--%s must not be empty (omit it %s)", name, omitted)
+	}
+	return nil
 }
 
 // checkSchemaFlag returns a usage error when schema, the value of the flag called name,
@@ -117,6 +190,30 @@ func checkText(name, value string) error {
 		return usagef("%s %q contains a NUL byte", name, value)
 	case !utf8.ValidString(value):
 		return usagef("%s %q is not valid UTF-8", name, value)
+	}
+	return nil
+}
+
+// checkKeyPart returns a usage error when value, the namespace, key, consumer or message id
+// called name, cannot be one pgidem stores: the library refuses an empty one and one with a
+// control character (tab, newline, NUL, …) or invalid UTF-8 (pgidem.ErrInvalidKey), so no
+// record or inbox row has one. The library's length limits are not checked: they are the
+// application's configuration (pgidem.Config.MaxKeyBytes, MaxNamespaceBytes), which the
+// CLI does not know.
+func checkKeyPart(name, value string) error {
+	if value == "" {
+		return usagef("%s must not be empty", name)
+	}
+	return checkFilter(name, value)
+}
+
+// checkFilter is [checkKeyPart] for a filter flag, whose empty value the caller handles.
+func checkFilter(name, value string) error {
+	if err := checkText(name, value); err != nil {
+		return err
+	}
+	if strings.IndexFunc(value, unicode.IsControl) >= 0 {
+		return usagef("%s %q contains a control character, which pgidem never stores", name, value)
 	}
 	return nil
 }

@@ -4,7 +4,11 @@ import (
 	"context"
 	"encoding/json"
 	"io/fs"
+	"net"
 	"net/url"
+	"os"
+	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -150,7 +154,8 @@ func TestMigrateMissingSchema(t *testing.T) {
 	db := testdb.NewUnmigrated(t)
 	for _, args := range [][]string{{"migrate", "status"}, {"migrate", "version"}, {"migrate", "down"}, {"migrate", "down", "--to", "0"}} {
 		line := requireFail(t, cli(t, db.URL, append([]string{"--schema", "typo"}, args...)...), 1)
-		require.Contains(t, line, `schema "typo" does not exist, so pgidem is not installed there`, args)
+		require.Contains(t, line, `pgidem: `+strings.Join(args[:2], " ")+`: schema "typo" does not exist in database "`+db.Name+`"`, args)
+		require.Contains(t, line, `so pgidem is not installed there (schema names are case-sensitive)`, args)
 	}
 	var created []string
 	require.NoError(t, db.Pool.QueryRow(ctx, `
@@ -256,7 +261,7 @@ func TestRecordsList(t *testing.T) {
 
 	t.Run("LimitNotice", func(t *testing.T) {
 		out := requireOK(t, cli(t, db.URL, "records", "list", "--limit", "1"))
-		require.Contains(t, out, "(first 1 records; raise --limit for more)")
+		require.Contains(t, out, "(first 1 record; raise --limit for more)")
 		out = requireOK(t, cli(t, db.URL, "records", "list", "--limit", "4"))
 		require.Len(t, strings.Split(strings.TrimSpace(out), "\n"), 1+4+1, "header, 4 records, the note")
 		require.Contains(t, out, "(first 4 records; raise --limit for more)")
@@ -462,7 +467,7 @@ func TestSweepWithoutInbox(t *testing.T) {
 		fixture{namespace: "mail", key: "old-1", status: "completed", expiresIn: -2 * time.Hour, age: 30 * time.Hour},
 		fixture{namespace: "mail", key: "new-1", status: "completed", expiresIn: 2 * time.Hour, age: time.Hour})
 
-	require.Equal(t, "swept 1 expired records (no inbox table pgidem_inbox)\n", requireOK(t, cli(t, db.URL, "sweep")))
+	require.Equal(t, "swept 1 expired record (no inbox table public.pgidem_inbox)\n", requireOK(t, cli(t, db.URL, "sweep")))
 	require.Equal(t, 1, countRecords(t, db.Pool, "pgidem_record"))
 
 	var res map[string]any
@@ -481,7 +486,7 @@ func TestSweepFailsPartWay(t *testing.T) {
 	require.NoError(t, err)
 
 	line := requireFail(t, cli(t, db.URL, "sweep"), 1)
-	require.Contains(t, line, "(before failing, the sweep deleted 1 expired records and 0 expired inbox rows)")
+	require.Contains(t, line, "(before failing, the sweep deleted 1 expired record and 0 expired inbox rows)")
 	require.Zero(t, countRecords(t, db.Pool, "pgidem_record"))
 }
 
@@ -731,7 +736,7 @@ func TestConnection(t *testing.T) {
 		require.NoError(t, err)
 		u.Path = ""
 		line := requireFail(t, cli(t, u.String(), "--schema", "zz_no_such_schema", "stats"), 1)
-		require.Contains(t, line, `of database "`+u.User.Username()+`"`)
+		require.Contains(t, line, `in database "`+u.User.Username()+`"`)
 
 		line = requireFail(t, pgidemEnv(t, cliEnv("DATABASE_URL=postgres://dave@127.0.0.1:1"), "stats"), 1)
 		require.Contains(t, line, `(database "dave", user "dave"`)
@@ -768,6 +773,19 @@ func TestUsage(t *testing.T) {
 			`pgidem: --river-schema "` + strings.Repeat("q", 64) + `" is 64 bytes long; Postgres truncates identifiers to 63 bytes (see 'pgidem migrate up --help')`},
 		{"ShowKeyNotUTF8", []string{"records", "show", "invoices", "order-\xff"}, `pgidem: KEY "order-\xff" is not valid UTF-8 (see 'pgidem records show --help')`},
 		{"ForgetNamespaceNotUTF8", []string{"records", "forget", "\xfe", "k"}, `pgidem: NAMESPACE "\xfe" is not valid UTF-8 (see 'pgidem records forget --help')`},
+		// Names pgidem refuses to store (pgidem.ErrInvalidKey) are usage errors, not a
+		// missing record.
+		{"ForgetEmptyArgs", []string{"records", "forget", "", ""}, "pgidem: NAMESPACE must not be empty (see 'pgidem records forget --help')"},
+		{"ShowEmptyKey", []string{"records", "show", "invoices", ""}, "pgidem: KEY must not be empty (see 'pgidem records show --help')"},
+		{"ForgetKeyTab", []string{"records", "forget", "invoices", "order\t9"},
+			`pgidem: KEY "order\t9" contains a control character, which pgidem never stores (see 'pgidem records forget --help')`},
+		{"ShowNamespaceNewline", []string{"records", "show", "in\nvoices", "k"},
+			`pgidem: NAMESPACE "in\nvoices" contains a control character, which pgidem never stores (see 'pgidem records show --help')`},
+		{"InboxShowEmptyConsumer", []string{"inbox", "show", "", "m-1"}, "pgidem: CONSUMER must not be empty (see 'pgidem inbox show --help')"},
+		{"InboxForgetMessageIDTab", []string{"inbox", "forget", "billing", "m\t1"},
+			`pgidem: MESSAGE_ID "m\t1" contains a control character, which pgidem never stores (see 'pgidem inbox forget --help')`},
+		{"NamespaceFilterControl", []string{"records", "list", "--namespace", "a\tb"},
+			`pgidem: --namespace "a\tb" contains a control character, which pgidem never stores (see 'pgidem records list --help')`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -834,9 +852,10 @@ func TestNonDefaultSchema(t *testing.T) {
 	line := requireFail(t, cli(t, db.URL, "records", "list"), 1)
 	require.Contains(t, line, "not found in the connection's search_path")
 	line = requireFail(t, cli(t, db.URL, "--schema", "elsewhere", "records", "list"), 1)
-	require.Contains(t, line, `table pgidem_record not found in schema "elsewhere"`)
+	require.Contains(t, line, `schema "elsewhere" does not exist in database`)
+	require.Contains(t, line, `pgidem is installed in schema "Idem Store" of this database: pass --schema`)
 
-	require.Equal(t, "swept 1 expired records and 0 expired inbox rows\n",
+	require.Equal(t, "swept 1 expired record and 0 expired inbox rows\n",
 		requireOK(t, cli(t, db.URL, "--schema", schema, "sweep")))
 	requireOK(t, cli(t, db.URL, "--schema", schema, "records", "forget", "invoices", "order-9.invoice"))
 	_, err = coord.Lookup(ctx, "invoices", "order-9.invoice")
@@ -1055,22 +1074,46 @@ func TestMigrateLockHeld(t *testing.T) {
 	require.NoError(t, holder.QueryRow(ctx, `SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock($1)) l`, migrations.LockID).Scan(&pid))
 
 	require.Contains(t, requireOK(t, cli(t, db.URL, "migrate", "status")), "pending")
-	done := make(chan result, 1)
-	go func() { done <- cli(t, db.URL, "migrate", "up") }()
-	// goose's session locker polls with pg_try_advisory_lock; once it has tried, the note
-	// (printed before the migration starts) is out.
-	require.Eventually(t, func() bool {
-		var trying bool
-		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-			WHERE datname = current_database() AND application_name = 'pgidem-cli' AND query LIKE '%pg_try_advisory_lock%')`).Scan(&trying)
-		return err == nil && trying
-	}, time.Minute, 20*time.Millisecond)
+	p := startCLI(t, db.URL, "migrate", "up")
+	// The note comes while the lock is still held: the run is waiting.
+	line := p.waitLine(t, "waiting for pgidem's migration lock")
+	require.Equal(t, "pgidem: waiting for pgidem's migration lock, held by backend pid "+strconv.Itoa(pid)+
+		" (another migration run); giving up after about 300 s", line)
 	_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, migrations.LockID)
 	require.NoError(t, err)
-	r := <-done
+	r := p.wait(t)
 	require.Zero(t, r.code, r.stderr)
-	require.Contains(t, r.stderr, "waiting for pgidem's migration lock, held by backend pid "+strconv.Itoa(pid))
 	require.Contains(t, r.stdout, "pgidem schema is now at version")
+}
+
+// cliWaitingForLock waits until a session of the CLI in db waits for a lock (a row or a
+// table lock that the test holds).
+func cliWaitingForLock(t *testing.T, db *testdb.DB) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		err := db.Pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+			WHERE datname = current_database() AND application_name = 'pgidem-cli' AND wait_event_type = 'Lock')`).Scan(&waiting)
+		return err == nil && waiting
+	}, time.Minute, 10*time.Millisecond)
+}
+
+// A migration run that finds pgidem's lock held but does not wait for it (here: nothing
+// to migrate, which goose finds out without the lock) says nothing about waiting: it used
+// to announce a wait of up to 300 s and return a moment later.
+func TestMigrateLockNoteOnlyWhenWaiting(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	holder, err := db.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer holder.Release()
+	_, err = holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, migrations.LockID)
+	require.NoError(t, err)
+
+	latest, _ := latestVersion(t)
+	require.Equal(t, "pgidem schema is up to date at version "+strconv.FormatInt(latest, 10)+"\n",
+		requireOK(t, cli(t, db.URL, "migrate", "up")))
 }
 
 // inbox list, show and forget read and delete pgidem_inbox rows written by the coordinator;
@@ -1110,7 +1153,7 @@ func TestInbox(t *testing.T) {
 	require.Equal(t, "shipping", rows[0].Consumer)
 	require.True(t, rows[0].Expired)
 	require.JSONEq(t, `{"order": 42}`, string(rows[0].Payload))
-	require.Contains(t, requireOK(t, cli(t, db.URL, "inbox", "list", "--limit", "1")), "(first 1 rows; raise --limit for more)")
+	require.Contains(t, requireOK(t, cli(t, db.URL, "inbox", "list", "--limit", "1")), "(first 1 row; raise --limit for more)")
 	out = requireOK(t, cli(t, db.URL, "inbox", "list", "--message-id", "msg-1"))
 	require.Contains(t, out, "billing")
 	require.Contains(t, out, "shipping")
@@ -1155,4 +1198,437 @@ func TestMigrateDownPartialJSON(t *testing.T) {
 	require.Equal(t, int64(3), out.RolledBack[0].Version)
 	require.Equal(t, int64(2), out.Version)
 	require.Contains(t, r.stderr, "other objects depend on it")
+}
+
+// An explicitly empty --database-url (a misspelled shell variable) used to fall back to
+// DATABASE_URL or the PG* variables, and an empty --schema to the search_path: a forget,
+// sweep or rollback aimed at one database or schema then ran on another. Both are usage
+// errors now, like an empty --namespace.
+func TestEmptyFlagValues(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record", standardFixtures()...)
+	withVariable := cliEnv("DATABASE_URL=" + db.URL)
+
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"DatabaseURL", []string{"--database-url", "", "records", "forget", "invoices", "order-9.invoice"},
+			"pgidem: --database-url must not be empty (omit it to use DATABASE_URL, else libpq's PG* variables) (see 'pgidem records forget --help')"},
+		{"DatabaseURLBlank", []string{"--database-url", " ", "sweep"},
+			"pgidem: --database-url must not be empty (omit it to use DATABASE_URL, else libpq's PG* variables) (see 'pgidem sweep --help')"},
+		{"DatabaseURLEquals", []string{"--database-url=", "migrate", "down", "--to", "0", "--force"},
+			"pgidem: --database-url must not be empty (omit it to use DATABASE_URL, else libpq's PG* variables) (see 'pgidem migrate down --help')"},
+		{"Schema", []string{"--schema", "", "records", "forget", "invoices", "order-9.invoice"},
+			"pgidem: --schema must not be empty (omit it to use the connection's search_path) (see 'pgidem records forget --help')"},
+		{"RiverSchema", []string{"migrate", "up", "--river", "--river-schema", ""},
+			"pgidem: --river-schema must not be empty (omit it to use --schema, else the search_path) (see 'pgidem migrate up --help')"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := pgidemEnv(t, withVariable, tc.args...)
+			require.Equal(t, tc.want, requireFail(t, r, 2))
+			require.Empty(t, r.stdout)
+		})
+	}
+	require.Equal(t, 5, countRecords(t, db.Pool, "pgidem_record"), "nothing forgotten or swept")
+	// Omitted, the variable is used.
+	require.Contains(t, requireOK(t, pgidemEnv(t, withVariable, "records", "show", "invoices", "order-9.invoice")), "order-9.invoice")
+}
+
+// toastAccesses returns how many blocks of pgidem_record's TOAST table (where large
+// results and errors live) have been read, once every session of the CLI has ended: a
+// backend flushes its statistics before it leaves pg_stat_activity.
+func toastAccesses(t *testing.T, db *testdb.DB) int64 {
+	t.Helper()
+	ctx := context.Background()
+	require.Eventually(t, func() bool {
+		var n int
+		err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND application_name = 'pgidem-cli'`).Scan(&n)
+		return err == nil && n == 0
+	}, time.Minute, 10*time.Millisecond)
+	var n int64
+	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT coalesce(toast_blks_read, 0) + coalesce(toast_blks_hit, 0)
+		FROM pg_statio_user_tables WHERE relid = 'pgidem_record'::regclass`).Scan(&n))
+	return n
+}
+
+// records list used to read and convert every matching record's result and error before
+// sorting and limiting, so a few large records made even the table output (which shows
+// neither) read and sort megabytes. The table output reads neither now, and --json reads
+// them for the records it prints only.
+func TestRecordsListLargeValues(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	// 20 records with a result of 192 kB each, hex text that does not compress: stored
+	// out of line, in the TOAST table.
+	_, err := db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, result, expires_at, created_at)
+		SELECT 'big', 'k' || i, 'completed', gen_random_uuid(),
+			to_jsonb((SELECT string_agg(md5(i::text || '/' || j::text), '') FROM generate_series(1, 6000) j)),
+			now() + interval '1 day', now() - make_interval(secs => i)
+		FROM generate_series(1, 20) i`)
+	require.NoError(t, err)
+
+	before := toastAccesses(t, db)
+	require.Contains(t, requireOK(t, cli(t, db.URL, "records", "show", "big", "k1")), "result ")
+	perRecord := toastAccesses(t, db) - before
+	require.Positive(t, perRecord, "the test needs results stored out of line")
+
+	before = toastAccesses(t, db)
+	out := requireOK(t, cli(t, db.URL, "records", "list"))
+	require.Len(t, strings.Split(strings.TrimSpace(out), "\n"), 1+20)
+	require.Less(t, toastAccesses(t, db)-before, perRecord/2, "the table output reads no result")
+
+	before = toastAccesses(t, db)
+	var records []struct {
+		Key    string          `json:"key"`
+		Result json.RawMessage `json:"result"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "records", "list", "--json", "--limit", "2"))), &records))
+	require.Len(t, records, 2)
+	require.Equal(t, []string{"k1", "k2"}, []string{records[0].Key, records[1].Key}, "newest first")
+	require.Len(t, records[0].Result, 2+192000)
+	require.LessOrEqual(t, toastAccesses(t, db)-before, 3*perRecord, "--json reads the results of the records it prints only")
+
+	// Without a limit every result is printed, newest first.
+	require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "records", "list", "--json", "--limit", "0"))), &records))
+	require.Len(t, records, 20)
+	require.Equal(t, "k20", records[19].Key)
+	require.Len(t, records[19].Result, 2+192000)
+}
+
+// A failed write on standard output (a full disk, here /dev/full) used to be ignored by
+// several commands, which exited 0 with their output lost. Every command reports it now.
+func TestWriteOutputError(t *testing.T) {
+	t.Parallel()
+	full, err := os.OpenFile("/dev/full", os.O_WRONLY, 0)
+	if err != nil && runtime.GOOS != "linux" {
+		t.Skipf("no /dev/full on %s: %v", runtime.GOOS, err) // Linux, CI's system, has one
+	}
+	require.NoError(t, err)
+	defer full.Close()
+	db := testdb.New(t)
+	latest, _ := latestVersion(t)
+
+	for _, args := range [][]string{
+		{"--help"},
+		{"records", "list", "--help"},
+		{"migrate", "version"},
+		{"migrate", "version", "--json"},
+		{"migrate", "status"},
+		{"migrate", "up"},
+		{"migrate", "down", "--to", strconv.FormatInt(latest, 10)},
+		{"stats"},
+		{"stats", "--json"},
+		{"records", "list"},
+		{"records", "list", "--json"},
+		{"inbox", "list"},
+		{"inbox", "list", "--json"},
+		{"sweep"},
+		{"sweep", "--json"},
+	} {
+		r := pgidemOut(t, full, cliEnv(), append([]string{"--database-url", db.URL}, args...)...)
+		line := requireFail(t, r, 1)
+		require.True(t, strings.HasPrefix(line, "pgidem: write output: "), "%v: %s", args, line)
+		require.Contains(t, line, "no space left on device", args)
+	}
+}
+
+// --schema naming a schema that does not exist (a typo, or the wrong case: names are
+// case-sensitive) used to be reported as a missing table, with the advice to run migrate
+// up. It says the schema does not exist, and where pgidem is installed.
+func TestMissingSchema(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t) // pgidem in public
+
+	for _, args := range [][]string{
+		{"stats"}, {"records", "list"}, {"records", "show", "a", "b"}, {"records", "forget", "a", "b"},
+		{"inbox", "list"}, {"inbox", "show", "a", "b"}, {"inbox", "forget", "a", "b"}, {"sweep"},
+		{"migrate", "status"}, {"migrate", "version"}, {"migrate", "down", "--to", "0", "--force"},
+	} {
+		line := requireFail(t, cli(t, db.URL, append([]string{"--schema", "PUBLIC"}, args...)...), 1)
+		require.Contains(t, line, `: schema "PUBLIC" does not exist in database "`+db.Name+`"`, args)
+		require.Contains(t, line, "(schema names are case-sensitive)", args)
+		require.Contains(t, line, `pgidem is installed in schema "public" of this database: pass --schema`, args)
+		require.NotContains(t, line, "pgidem_record not found", args)
+	}
+
+	empty := testdb.NewUnmigrated(t)
+	line := requireFail(t, cli(t, empty.URL, "--schema", "idem", "stats"), 1)
+	require.Contains(t, line, `pgidem: stats: schema "idem" does not exist in database "`+empty.Name+`"`)
+	require.Contains(t, line, "run 'pgidem migrate up' with it (which creates the schema)")
+}
+
+// migrate up --schema with a schema that does not exist creates it and installs pgidem
+// there; when pgidem is installed in another schema (IDEM for idem, say) it says so instead
+// of installing a second copy without a word.
+func TestMigrateUpNewSchemaInstalledElsewhere(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t) // pgidem in public
+
+	r := cli(t, db.URL, "--schema", "Public", "migrate", "up")
+	require.Zero(t, r.code, r.stderr)
+	require.Contains(t, r.stdout, "pgidem schema is now at version")
+	require.Equal(t, `pgidem: note: installed pgidem anew in schema "Public", which this run created, although it is installed in `+
+		`schema "public" of this database (schema names are case-sensitive); if you meant that installation, `+
+		`roll this one back (pgidem --schema "Public" migrate down --to 0) and pass that --schema instead`+"\n", r.stderr)
+	// Installed there now: no more notes.
+	requireOK(t, cli(t, db.URL, "--schema", "Public", "migrate", "up"))
+
+	// A schema of its own (one per tenant) gets pgidem without a note when it is the only
+	// installation.
+	fresh := testdb.NewUnmigrated(t)
+	requireOK(t, cli(t, fresh.URL, "--schema", "tenant1", "migrate", "up"))
+}
+
+// The sample refusal of records forget in docs/inspect.md is the message the command
+// prints (it used to show an older wording).
+func TestInspectDocForgetRefusal(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("../../docs/inspect.md")
+	require.NoError(t, err)
+	var sample string
+	for _, line := range strings.Split(string(doc), "\n") {
+		if strings.HasPrefix(line, "pgidem: refusing to forget ") {
+			sample = line
+		}
+	}
+	require.NotEmpty(t, sample, "docs/inspect.md shows no refusal")
+
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record", fixture{namespace: "invoices", key: "order-12.invoice", status: "in_progress",
+		leaseIn: time.Hour, expiresIn: 24 * time.Hour, age: 2 * time.Minute})
+	line := requireFail(t, cli(t, db.URL, "records", "forget", "invoices", "order-12.invoice"), 1)
+	variable := regexp.MustCompile(`\(expires in [^,]+, owner [0-9a-f-]+\)`)
+	require.Equal(t, variable.ReplaceAllString(line, "(LEASE, OWNER)"), variable.ReplaceAllString(sample, "(LEASE, OWNER)"))
+}
+
+// A database error during sweep (here: the role may not delete) used to read "store
+// unavailable: sweep: ERROR: …", although the server had answered. It is reported as the
+// other commands report errors.
+func TestSweepDatabaseError(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record",
+		fixture{namespace: "mail", key: "old-1", status: "completed", expiresIn: -2 * time.Hour, age: 30 * time.Hour})
+	role := "pgidem_cli_reader_" + db.Name
+	_, err := db.Pool.Exec(ctx, "CREATE ROLE "+pgx.Identifier{role}.Sanitize()+" LOGIN")
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = db.Pool.Exec(ctx, "DROP OWNED BY "+pgx.Identifier{role}.Sanitize())
+		_, _ = db.Pool.Exec(ctx, "DROP ROLE "+pgx.Identifier{role}.Sanitize())
+	})
+	_, err = db.Pool.Exec(ctx, "GRANT SELECT ON pgidem_record, pgidem_inbox TO "+pgx.Identifier{role}.Sanitize())
+	require.NoError(t, err)
+	u, err := url.Parse(db.URL)
+	require.NoError(t, err)
+	u.User = url.User(role)
+
+	line := requireFail(t, cli(t, u.String(), "sweep"), 1)
+	require.True(t, strings.HasPrefix(line, "pgidem: sweep: ERROR: permission denied for table pgidem_record"), line)
+	require.NotContains(t, line, "unavailable")
+	require.Equal(t, 1, countRecords(t, db.Pool, "pgidem_record"))
+}
+
+// Ctrl-C (SIGINT) used to be reported as "cannot connect to Postgres … context canceled"
+// while connecting (which reads like a network failure), as a bare "context canceled"
+// during a sweep, and as "forget record: context canceled" without saying whether the
+// record was deleted. Each says "interrupted", names what it interrupted and, for the
+// commands that delete, what was deleted.
+func TestInterrupt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("Connecting", func(t *testing.T) {
+		t.Parallel()
+		for _, tc := range []struct {
+			args []string
+			want string
+		}{
+			{[]string{"stats"}, ""},
+			{[]string{"migrate", "up"}, ""},
+			{[]string{"records", "forget", "a", "b"}, "; nothing was deleted"},
+			{[]string{"inbox", "forget", "a", "b"}, "; nothing was deleted"},
+			{[]string{"sweep"}, "; nothing was deleted"},
+		} {
+			// A server that accepts connections and never answers; one per run, so no
+			// connection of an earlier run is taken for this one's.
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			require.NoError(t, err)
+			accepted := make(chan net.Conn, 16)
+			go func() {
+				for {
+					conn, err := ln.Accept()
+					if err != nil {
+						close(accepted)
+						return
+					}
+					accepted <- conn
+				}
+			}()
+			address := ln.Addr().String()
+			p := startCLI(t, "postgres://alice@"+address+"/app", tc.args...)
+			<-accepted // the CLI is connecting (its signal handler is installed first thing)
+			p.interrupt(t)
+			r := p.wait(t)
+			require.NoError(t, ln.Close())
+			for conn := range accepted {
+				conn.Close()
+			}
+			require.Equal(t, "pgidem: interrupted while connecting to Postgres at "+address+
+				` (database "app", user "alice", from --database-url)`+tc.want, requireFail(t, r, 1), tc.args)
+			require.Empty(t, r.stdout)
+		}
+	})
+
+	// setup returns a database with an expired record and a transaction holding lock on it.
+	setup := func(t *testing.T, lock string) (*testdb.DB, pgx.Tx) {
+		t.Helper()
+		db := testdb.New(t)
+		insert(t, db.Pool, "pgidem_record",
+			fixture{namespace: "mail", key: "old-1", status: "completed", expiresIn: -2 * time.Hour, age: 30 * time.Hour})
+		_, err := db.Pool.Exec(ctx, `INSERT INTO pgidem_inbox (consumer, message_id, expires_at) VALUES ('billing', 'm-1', now() + interval '1 day')`)
+		require.NoError(t, err)
+		tx, err := db.Pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		_, err = tx.Exec(ctx, lock)
+		require.NoError(t, err)
+		return db, tx
+	}
+
+	t.Run("Sweep", func(t *testing.T) {
+		t.Parallel()
+		db, tx := setup(t, "LOCK TABLE pgidem_record")
+		p := startCLI(t, db.URL, "sweep")
+		cliWaitingForLock(t, db)
+		p.interrupt(t)
+		r := p.wait(t)
+		require.Equal(t, "pgidem: sweep: interrupted after deleting 0 expired records and 0 expired inbox rows "+
+			"(a batch cut off by the interrupt is rolled back)", requireFail(t, r, 1))
+		require.NoError(t, tx.Rollback(ctx))
+		require.Equal(t, 1, countRecords(t, db.Pool, "pgidem_record"))
+	})
+
+	t.Run("RecordsForget", func(t *testing.T) {
+		t.Parallel()
+		db, tx := setup(t, "SELECT 1 FROM pgidem_record WHERE namespace = 'mail' AND key = 'old-1' FOR UPDATE")
+		p := startCLI(t, db.URL, "records", "forget", "mail", "old-1")
+		cliWaitingForLock(t, db)
+		p.interrupt(t)
+		r := p.wait(t)
+		require.Equal(t, "pgidem: forget record: interrupted; nothing was deleted", requireFail(t, r, 1))
+		require.Empty(t, r.stdout)
+		// The server cancelled the delete: once the lock is free the record is still there.
+		require.NoError(t, tx.Rollback(ctx))
+		require.Equal(t, 1, countRecords(t, db.Pool, "pgidem_record"))
+	})
+
+	t.Run("InboxForget", func(t *testing.T) {
+		t.Parallel()
+		db, tx := setup(t, "LOCK TABLE pgidem_inbox")
+		p := startCLI(t, db.URL, "inbox", "forget", "billing", "m-1")
+		cliWaitingForLock(t, db)
+		p.interrupt(t)
+		r := p.wait(t)
+		require.Equal(t, "pgidem: forget inbox row: interrupted; nothing was deleted", requireFail(t, r, 1))
+		require.NoError(t, tx.Rollback(ctx))
+		var n int
+		require.NoError(t, db.Pool.QueryRow(ctx, "SELECT count(*) FROM pgidem_inbox").Scan(&n))
+		require.Equal(t, 1, n)
+	})
+
+	t.Run("List", func(t *testing.T) {
+		t.Parallel()
+		db, _ := setup(t, "LOCK TABLE pgidem_record")
+		p := startCLI(t, db.URL, "records", "list")
+		cliWaitingForLock(t, db)
+		p.interrupt(t)
+		require.Equal(t, "pgidem: list records: interrupted", requireFail(t, p.wait(t), 1))
+	})
+}
+
+// --json wrote <, > and & as \u003c, \u003e and \u0026 (encoding/json's default, for HTML
+// pages); it writes them as they are.
+func TestJSONNotHTMLEscaped(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record", fixture{namespace: "html", key: "<a&b>", status: "completed",
+		result: ptr(`{"body": "<p>Tom & Jerry</p>"}`), expiresIn: time.Hour, age: time.Minute})
+
+	for _, args := range [][]string{{"records", "show", "html", "<a&b>", "--json"}, {"records", "list", "--json"}} {
+		out := requireOK(t, cli(t, db.URL, args...))
+		require.Contains(t, out, `"key": "<a&b>"`, args)
+		require.Contains(t, out, `"body": "<p>Tom & Jerry</p>"`, args)
+		require.NotContains(t, out, `\u00`, args)
+	}
+}
+
+// Table output printed names as they are, so a key with a trailing space or two spaces
+// in a row looked like another key, and records show with the visible text found nothing.
+// Names with white space, quotes or characters that do not print are quoted now.
+func TestTableQuotesNames(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record",
+		fixture{namespace: "mail", key: "order-9", status: "completed", expiresIn: time.Hour, age: 4 * time.Minute},
+		fixture{namespace: "mail", key: "order-9 ", status: "completed", expiresIn: time.Hour, age: 3 * time.Minute},
+		fixture{namespace: "mail", key: `say "hi"`, status: "completed", expiresIn: time.Hour, age: 2 * time.Minute},
+		fixture{namespace: "two  words", key: "zero\u200bwidth", status: "in_progress", leaseIn: time.Hour, expiresIn: time.Hour, age: time.Minute})
+	_, err := db.Pool.Exec(ctx, `INSERT INTO pgidem_inbox (consumer, message_id, expires_at) VALUES ('billing ', 'm 1', now() + interval '1 day')`)
+	require.NoError(t, err)
+
+	out := requireOK(t, cli(t, db.URL, "records", "list"))
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	require.Len(t, lines, 5)
+	require.Regexp(t, `^"two  words" +"zero\\u200bwidth" +in_progress `, lines[1])
+	require.Regexp(t, `^mail +"say \\"hi\\"" +completed `, lines[2])
+	require.Regexp(t, `^mail +"order-9 " +completed `, lines[3])
+	require.Regexp(t, `^mail +order-9 +completed `, lines[4])
+
+	// What the table shows, unquoted as the shell does, finds the record.
+	out = requireOK(t, cli(t, db.URL, "records", "show", "mail", "order-9 "))
+	require.Contains(t, out, "namespace      mail\n")
+	require.Contains(t, out, `key            "order-9 "`+"\n")
+
+	out = requireOK(t, cli(t, db.URL, "stats"))
+	require.Contains(t, out, `"two  words"`)
+	require.Contains(t, out, `"zero\u200bwidth"`)
+	out = requireOK(t, cli(t, db.URL, "inbox", "list"))
+	require.Contains(t, out, `"billing "  "m 1"`)
+	out = requireOK(t, cli(t, db.URL, "inbox", "show", "billing ", "m 1"))
+	require.Contains(t, out, `consumer    "billing "`+"\n")
+
+	// --json has the exact text.
+	var record map[string]any
+	require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "records", "show", "mail", "order-9 ", "--json"))), &record))
+	require.Equal(t, "order-9 ", record["key"])
+}
+
+// Singular counts read "1 record", not "1 records"; a sweep without an inbox table names
+// the table with its schema.
+func TestCountsAndInboxName(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record",
+		fixture{namespace: "mail", key: "old-1", status: "completed", expiresIn: -2 * time.Hour, age: 30 * time.Hour})
+	_, err := db.Pool.Exec(context.Background(), `INSERT INTO pgidem_inbox (consumer, message_id, expires_at)
+		VALUES ('billing', 'm-1', now() - interval '1 day')`)
+	require.NoError(t, err)
+	out := requireOK(t, cli(t, db.URL, "stats"))
+	require.Contains(t, out, "table pgidem_record: 1 record (1 expired, not swept)")
+	require.Contains(t, out, "table pgidem_inbox: 1 message (1 expired, not swept)")
+	require.Equal(t, "swept 1 expired record and 1 expired inbox row\n", requireOK(t, cli(t, db.URL, "sweep")))
+
+	schema := testdb.NewUnmigrated(t)
+	requireOK(t, cli(t, schema.URL, "--schema", "idem", "migrate", "up"))
+	requireOK(t, cli(t, schema.URL, "--schema", "idem", "migrate", "down")) // the view
+	requireOK(t, cli(t, schema.URL, "--schema", "idem", "migrate", "down")) // the inbox
+	require.Equal(t, "swept 0 expired records (no inbox table idem.pgidem_inbox)\n",
+		requireOK(t, cli(t, schema.URL, "--schema", "idem", "sweep")))
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 )
@@ -22,6 +23,13 @@ import (
 // connectTimeoutDefault bounds connecting when the connection string sets no positive
 // connect_timeout, so that an unreachable address fails instead of hanging.
 const connectTimeoutDefault = 10 * time.Second
+
+// interruptGrace is how long, after an interrupt (SIGINT, SIGTERM), a statement in flight
+// waits for the server's answer to the cancel request the CLI sends: the answer says
+// whether the statement was cancelled (nothing changed) or had completed, so forget and
+// sweep can tell what they did. Past it the connection is dropped, and the outcome is
+// unknown.
+const interruptGrace = 3 * time.Second
 
 // applicationName is reported to Postgres (pg_stat_activity) unless the connection string
 // sets application_name.
@@ -77,6 +85,12 @@ func (a *app) poolConfig() (*pgxpool.Config, string, error) {
 		}
 	}
 	cfg.ConnConfig.RuntimeParams["timezone"] = "UTC"
+	// On an interrupt, ask the server to cancel the statement and read its answer, rather
+	// than drop the connection at once (pgconn's default): a dropped connection leaves the
+	// statement running on the server, to commit or not.
+	cfg.ConnConfig.BuildContextWatcherHandler = func(conn *pgconn.PgConn) ctxwatch.Handler {
+		return &pgconn.CancelRequestContextWatcherHandler{Conn: conn, DeadlineDelay: interruptGrace}
+	}
 	cfg.MaxConns = 2
 	return cfg, source, nil
 }
@@ -89,11 +103,11 @@ func (a *app) connectPool(ctx context.Context) (*pgxpool.Pool, error) {
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, connectError(cfg.ConnConfig, source, err)
+		return nil, connectError(ctx, cfg.ConnConfig, source, err)
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, connectError(cfg.ConnConfig, source, err)
+		return nil, connectError(ctx, cfg.ConnConfig, source, err)
 	}
 	return pool, nil
 }
@@ -109,14 +123,20 @@ func (a *app) connectDB(ctx context.Context) (*sql.DB, error) {
 	db.SetMaxOpenConns(2)
 	if err := db.PingContext(ctx); err != nil {
 		db.Close()
-		return nil, connectError(cfg.ConnConfig, source, err)
+		return nil, connectError(ctx, cfg.ConnConfig, source, err)
 	}
 	return db, nil
 }
 
 // connectError says which address was tried, for whom and from which setting, and why it
-// failed. It never includes the password.
-func connectError(cfg *pgx.ConnConfig, source string, err error) error {
+// failed. It never includes the password. When ctx ended (an interrupt) it says so, as an
+// [*interruptedError], instead of quoting pgconn's "context canceled",
+// which reads like a network failure.
+func connectError(ctx context.Context, cfg *pgx.ConnConfig, source string, err error) error {
+	if ctx.Err() != nil {
+		return interruptedf("pgidem: interrupted while connecting to Postgres at %s (database %q, user %q, from %s)",
+			describeAddress(&cfg.Config), cmp.Or(cfg.Database, cfg.User), cfg.User, source)
+	}
 	cause := err
 	var ce *pgconn.ConnectError
 	if errors.As(err, &ce) && ce.Unwrap() != nil {

@@ -27,15 +27,16 @@ retention (EXPIRES) counts as absent and is deleted by the sweep.`,
 	return cmd
 }
 
-// messageArgs checks the CONSUMER MESSAGE_ID arguments of inbox show and forget.
+// messageArgs checks the CONSUMER MESSAGE_ID arguments of inbox show and forget: two, each
+// one pgidem could have stored (see checkKeyPart).
 func messageArgs(cmd *cobra.Command, args []string) error {
 	if err := exactArgs("CONSUMER", "MESSAGE_ID")(cmd, args); err != nil {
 		return err
 	}
-	if err := checkText("CONSUMER", args[0]); err != nil {
+	if err := checkKeyPart("CONSUMER", args[0]); err != nil {
 		return err
 	}
-	return checkText("MESSAGE_ID", args[1])
+	return checkKeyPart("MESSAGE_ID", args[1])
 }
 
 func (a *app) inboxListCommand() *cobra.Command {
@@ -45,16 +46,18 @@ func (a *app) inboxListCommand() *cobra.Command {
 		Short: "List inbox rows, newest first",
 		Long: `Lists inbox rows, newest first: the consumer, the message id, how long ago the
 message was handled (RECEIVED) and the time left before the row expires (EXPIRES).
---expired lists the rows the next sweep deletes.`,
+--expired lists the rows the next sweep deletes.
+
+` + quotingNote,
 		Example: `  pgidem inbox list --consumer billing
   pgidem inbox list --message-id evt_1042
   pgidem inbox list --expired --json`,
 		Args: cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
-			if err := checkText("--consumer", p.consumer); err != nil {
+			if err := checkFilter("--consumer", p.consumer); err != nil {
 				return err
 			}
-			if err := checkText("--message-id", p.messageID); err != nil {
+			if err := checkFilter("--message-id", p.messageID); err != nil {
 				return err
 			}
 			if cmd.Flags().Changed("consumer") && p.consumer == "" {
@@ -83,13 +86,13 @@ message was handled (RECEIVED) and the time left before the row expires (EXPIRES
 				}
 				t := newTable(a.stdout, "CONSUMER", "MESSAGE ID", "RECEIVED", "EXPIRES")
 				for _, r := range rows {
-					t.row(r.Consumer, r.MessageID, humanDuration(r.AgeSeconds)+" ago", remaining(r.TTLRemainingSeconds))
+					t.row(quoteName(r.Consumer), quoteName(r.MessageID), humanDuration(r.AgeSeconds)+" ago", remaining(r.TTLRemainingSeconds))
 				}
 				if err := t.flush(); err != nil {
 					return err
 				}
 				if more {
-					fmt.Fprintf(a.stdout, "(first %d rows; raise --limit for more)\n", p.limit)
+					fmt.Fprintf(a.stdout, "(first %s; raise --limit for more)\n", count(p.limit, "row", "rows"))
 				}
 				return nil
 			})
@@ -107,6 +110,7 @@ func (a *app) inboxShowCommand() *cobra.Command {
 	return &cobra.Command{
 		Use:     "show CONSUMER MESSAGE_ID",
 		Short:   "Show one inbox row in full, payload included",
+		Long:    "Shows the inbox row for CONSUMER MESSAGE_ID in full, payload included.\n\n" + quotingNote,
 		Example: "  pgidem inbox show billing msg-42\n  pgidem inbox show billing -- -msg-42   # a message id starting with '-'",
 		Args:    messageArgs,
 		RunE: a.action(func(cmd *cobra.Command, args []string) error {
@@ -129,11 +133,12 @@ func (a *app) inboxForgetCommand() *cobra.Command {
 delivery of the message runs its handler again: use it to reprocess a message by hand
 after an incident. What the handler committed with the row stays; the next run adds to it.
 A handler running right now has not committed its row yet, so the delete does not see it
-(no inbox row): try again once it has.`,
+(no inbox row): try again once it has. Interrupted (Ctrl-C), it says whether anything was
+deleted, as records forget does.`,
 		Example: "  pgidem inbox forget billing msg-42",
 		Args:    messageArgs,
 		RunE: a.action(func(cmd *cobra.Command, args []string) error {
-			return a.withStore(cmd.Context(), func(s *store) error {
+			return a.withStoreDeleting(cmd.Context(), func(s *store) error {
 				r, err := s.inboxForget(cmd.Context(), args[0], args[1])
 				if err != nil {
 					return err
@@ -146,8 +151,8 @@ A handler running right now has not committed its row yet, so the delete does no
 
 // printInboxRow prints one inbox row as aligned "field  value" lines.
 func printInboxRow(w io.Writer, r *inboxRow) error {
-	t := newTable(w, "consumer", r.Consumer)
-	t.row("message id", r.MessageID)
+	t := newTable(w, "consumer", quoteName(r.Consumer))
+	t.row("message id", quoteName(r.MessageID))
 	t.row("received", timestamp(r.ReceivedAt)+" ("+humanDuration(r.AgeSeconds)+" ago)")
 	t.row("expires", timestamp(r.ExpiresAt)+" ("+remaining(r.TTLRemainingSeconds)+")")
 	t.row("payload", r.Payload.String())
@@ -244,6 +249,9 @@ func (s *store) inboxForget(ctx context.Context, consumer, messageID string) (*i
 		return nil, fmt.Errorf("%w; nothing deleted", errNoInboxRow(consumer, messageID))
 	}
 	if err != nil {
+		if ie := interruptedDelete(ctx, "forget inbox row", err, fmt.Sprintf("pgidem inbox show %q %q", consumer, messageID)); ie != nil {
+			return nil, ie
+		}
 		return nil, s.translate(ctx, "forget inbox row", err)
 	}
 	return r, nil

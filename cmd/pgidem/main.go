@@ -31,16 +31,29 @@
 // the password; a connection string that cannot be parsed and may contain a password is
 // reported by its source only, without its text. The CLI's sessions use the UTC time zone,
 // whatever the connection string or the server says. --schema names the schema holding
-// pgidem's tables (at most 63 bytes); by default they are found through the connection's
-// search_path.
+// pgidem's tables (at most 63 bytes, compared exactly: IDEM is not idem); by default they
+// are found through the connection's search_path. An explicitly empty --database-url or
+// --schema (an unset shell variable) is a usage error, not the default.
 //
 // # Output and exit codes
 //
-// Results go to standard output as aligned tables, or as JSON with --json. Errors go to
-// standard error as one line starting with "pgidem: ". The exit code is 0 on success, 1
+// Results go to standard output as aligned tables, or as JSON with --json (<, > and &
+// written as they are). In tables a namespace, key, consumer or message id with white
+// space, a quote or a character that does not print (and "" and "-") is quoted in Go
+// syntax, so "order-9 " and "order-9" differ; show and forget take it unquoted. Errors go
+// to standard error as one line starting with "pgidem: ". The exit code is 0 on success, 1
 // when the command failed (including an unreachable or unparsable database address, a
-// missing record, or a refused forget), and 2 for a usage error: an unknown command or
-// flag, a malformed flag value, or wrong arguments.
+// missing record, a refused forget, or output that could not be written), and 2 for a
+// usage error: an unknown command or flag, a malformed or empty flag value, or wrong
+// arguments (a namespace or key pgidem would refuse: empty, not UTF-8, with a control
+// character).
+//
+// # Interrupts
+//
+// SIGINT (Ctrl-C) or SIGTERM stops the command, which says "interrupted" and what it
+// interrupted. The statement in flight is cancelled on the server, whose answer (awaited
+// for up to a few seconds) tells forget and sweep what they deleted: a cancelled forget
+// deleted nothing.
 package main
 
 import (

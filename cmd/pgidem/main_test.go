@@ -1,9 +1,11 @@
 package main_test
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -77,6 +79,102 @@ func pgidemEnv(t *testing.T, env []string, args ...string) result {
 		code = exitErr.ExitCode()
 	}
 	return result{code: code, stdout: stdout.String(), stderr: stderr.String()}
+}
+
+// pgidemOut runs the binary with args, the given extra environment and stdout as its
+// standard output (result.stdout is then empty).
+func pgidemOut(t *testing.T, stdout io.Writer, env []string, args ...string) result {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binaryPath, args...)
+	cmd.Env = env
+	var stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = stdout, &stderr
+	err := cmd.Run()
+	code := 0
+	if err != nil {
+		exitErr, ok := err.(*exec.ExitError)
+		require.True(t, ok, "run pgidem %v: %v", args, err)
+		code = exitErr.ExitCode()
+	}
+	return result{code: code, stderr: stderr.String()}
+}
+
+// process is a run of the binary in the background, for tests that act while it runs
+// (send it a signal, release a lock): its standard error is read line by line as it
+// comes.
+type process struct {
+	cmd    *exec.Cmd
+	stdout bytes.Buffer
+	// lines receives each line of standard error; it is closed at its end.
+	lines chan string
+	// stderr holds every line of standard error once lines is closed.
+	stderr strings.Builder
+}
+
+// startCLI starts the binary against url with args.
+func startCLI(t *testing.T, url string, args ...string) *process {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel) // kills the process if a test gave up on it
+	p := &process{lines: make(chan string, 100)}
+	p.cmd = exec.CommandContext(ctx, binaryPath, append([]string{"--database-url", url}, args...)...)
+	p.cmd.Env = cliEnv()
+	p.cmd.Stdout = &p.stdout
+	pipe, err := p.cmd.StderrPipe()
+	require.NoError(t, err)
+	require.NoError(t, p.cmd.Start())
+	go func() {
+		defer close(p.lines)
+		scanner := bufio.NewScanner(pipe)
+		for scanner.Scan() {
+			p.stderr.WriteString(scanner.Text() + "\n")
+			select {
+			case p.lines <- scanner.Text():
+			default: // nobody waits for lines: the test reads stderr at the end
+			}
+		}
+	}()
+	return p
+}
+
+// waitLine waits for a line of standard error containing substr and returns it.
+func (p *process) waitLine(t *testing.T, substr string) string {
+	t.Helper()
+	timeout := time.After(time.Minute)
+	for {
+		select {
+		case line, ok := <-p.lines:
+			require.True(t, ok, "standard error ended without a line containing %q", substr)
+			if strings.Contains(line, substr) {
+				return line
+			}
+		case <-timeout:
+			require.FailNow(t, "no line containing "+substr+" on standard error")
+		}
+	}
+}
+
+// interrupt sends the process SIGINT, as Ctrl-C does.
+func (p *process) interrupt(t *testing.T) {
+	t.Helper()
+	require.NoError(t, p.cmd.Process.Signal(os.Interrupt))
+}
+
+// wait waits for the process to exit and returns what it produced.
+func (p *process) wait(t *testing.T) result {
+	t.Helper()
+	for range p.lines { // standard error must be read to its end before Wait
+	}
+	err := p.cmd.Wait()
+	code := 0
+	if err != nil {
+		exitErr, ok := err.(*exec.ExitError)
+		require.True(t, ok, "run pgidem: %v", err)
+		code = exitErr.ExitCode()
+	}
+	return result{code: code, stdout: p.stdout.String(), stderr: p.stderr.String()}
 }
 
 // cli runs the binary against url with args.

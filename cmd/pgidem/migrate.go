@@ -22,8 +22,10 @@ func (a *app) migrateCommand() *cobra.Command {
 		Long: `Runs pgidem's embedded goose migrations under pgidem's own version table
 (` + migrations.VersionTable + `) and advisory lock, so they never mix with the application's
 own goose history and concurrent deploys apply each migration once. With --schema the
-tables live in that schema: migrate up creates it if missing; down, status and version
-fail for a schema that does not exist instead of creating it.
+tables live in that schema: migrate up creates it if missing (with a note on stderr when
+it installs pgidem there while pgidem is installed in another schema of the database:
+schema names are case-sensitive, so IDEM is not idem); down, status and version fail for a
+schema that does not exist instead of creating it.
 
 Without --schema, every migrate command refuses to run when pgidem is installed in a
 schema of the search_path other than the connection's current schema (for example in
@@ -87,6 +89,9 @@ two deploys migrating River at once would otherwise race. River's tables go to
 			if cmd.Flags().Changed("river-schema") && !withRiver {
 				return usagef("--river-schema needs --river")
 			}
+			if err := checkNotEmptyFlag(cmd, "river-schema", riverSchema, "to use --schema, else the search_path"); err != nil {
+				return err
+			}
 			if err := checkSchemaFlag("--river-schema", riverSchema); err != nil {
 				return err
 			}
@@ -97,20 +102,40 @@ two deploys migrating River at once would otherwise race. River's tables go to
 				return err
 			}
 			defer db.Close()
-			// Without --schema, a first install beside pgidem's tables in a schema the
-			// search_path does not reach is often a forgotten --schema: say so (it still
-			// installs; schema-per-tenant set-ups do this on purpose).
-			elsewhere, err := a.otherInstalls(ctx, db)
+			// A first install while pgidem's tables are in another schema is often a
+			// forgotten --schema (without one) or a mistyped one (IDEM for idem, which Up
+			// creates): say so (it still installs; schema-per-tenant set-ups do this on
+			// purpose).
+			var (
+				elsewhere     []string
+				schemaExisted = true
+			)
+			if a.schema == "" {
+				elsewhere, err = a.otherInstalls(ctx, db)
+			} else {
+				schemaExisted, elsewhere, err = a.schemaAndOtherInstalls(ctx)
+			}
 			if err != nil {
 				return err
 			}
-			a.noteLockWait(ctx, db)
+			stopNote := a.noteLockWait(ctx, db)
 			// migrations.Up, not the provider's: it creates --schema first, safely when
 			// deploys run at once.
 			results, err := migrations.Up(ctx, db, &migrations.Opts{Schema: a.schema})
-			if len(results) > 0 && len(elsewhere) > 0 {
-				fmt.Fprintf(a.stderr, "pgidem: note: installed pgidem anew here, although it is installed in %s of this database; "+
-					"if you meant that installation, roll this one back (pgidem migrate down --to 0) and pass --schema\n", schemaList(elsewhere))
+			stopNote()
+			if installedAnew(results) && len(elsewhere) > 0 {
+				if a.schema == "" {
+					fmt.Fprintf(a.stderr, "pgidem: note: installed pgidem anew here, although it is installed in %s of this database; "+
+						"if you meant that installation, roll this one back (pgidem migrate down --to 0) and pass --schema\n", schemaList(elsewhere))
+				} else {
+					created := ""
+					if !schemaExisted {
+						created = ", which this run created"
+					}
+					fmt.Fprintf(a.stderr, "pgidem: note: installed pgidem anew in schema %q%s, although it is installed in %s of this database "+
+						"(schema names are case-sensitive); if you meant that installation, roll this one back (pgidem --schema %q migrate down --to 0) "+
+						"and pass that --schema instead\n", a.schema, created, schemaList(elsewhere), a.schema)
+				}
 			}
 			out.Applied = resultsJSON(results)
 			a.printMigrations("applied", results)
@@ -217,6 +242,9 @@ refused, naming the tables and their row counts, unless --force is given.`,
 				return err
 			}
 			defer db.Close()
+			if err := a.requireSchema(ctx, "migrate down"); err != nil {
+				return err
+			}
 			opts := &migrations.Opts{Schema: a.schema, RefuseDataLoss: !force}
 			installed, err := migrations.Installed(ctx, db, opts)
 			if err != nil {
@@ -229,13 +257,14 @@ refused, naming the tables and their row counts, unless --force is given.`,
 				fmt.Fprintln(a.stdout, "nothing to roll back; pgidem is not installed here")
 				return nil
 			}
-			a.noteLockWait(ctx, db)
+			stopNote := a.noteLockWait(ctx, db)
 			var results []*goose.MigrationResult
 			if toSet {
 				results, err = migrations.DownTo(ctx, db, opts, to)
 			} else {
 				results, err = migrations.Down(ctx, db, opts)
 			}
+			stopNote()
 			if errors.Is(err, migrations.ErrDataLoss) {
 				return fmt.Errorf("%w; pass --force to roll back anyway", err)
 			}
@@ -299,6 +328,9 @@ in another time zone shows shifted by that zone's offset.`,
 				return err
 			}
 			defer db.Close()
+			if err := a.requireSchema(ctx, "migrate status"); err != nil {
+				return err
+			}
 			// migrations.Status creates nothing where pgidem is not installed.
 			status, err := migrations.Status(ctx, db, &migrations.Opts{Schema: a.schema})
 			if err != nil {
@@ -351,6 +383,9 @@ func (a *app) migrateVersionCommand() *cobra.Command {
 				return err
 			}
 			defer db.Close()
+			if err := a.requireSchema(ctx, "migrate version"); err != nil {
+				return err
+			}
 			current, latest, err := a.versions(ctx, db)
 			if err != nil {
 				return err
@@ -436,15 +471,97 @@ WHERE locktype = 'advisory' AND granted AND objsubid = 1
 	AND (classid::bigint << 32) | objid::bigint = $1
 LIMIT 1`
 
-// noteLockWait says on stderr when another session holds pgidem's migration lock, which
-// the migration about to run waits for (up to about five minutes) without a word.
-func (a *app) noteLockWait(ctx context.Context, db *sql.DB) {
-	var pid int
-	if err := db.QueryRowContext(ctx, lockHolderSQL, migrations.LockID).Scan(&pid); err != nil {
-		return // none holds it (or the check failed: the migration reports what matters)
+// lockNoteDelay is how long a migration run waits for pgidem's migration lock before it
+// says whom it waits for. It is longer than goose's retry period (one second), so a lock
+// freed at once (another run with nothing to do, say) goes unmentioned.
+const lockNoteDelay = 2 * time.Second
+
+// noteLockWait watches a migration about to run for a wait on pgidem's migration lock,
+// which it would otherwise wait for (up to about five minutes) without a word: when
+// another session holds the lock now and still holds it lockNoteDelay later, the
+// migration is waiting for it, and a note on stderr names the session. Call the returned
+// function once the migration has returned: it stops the watch.
+func (a *app) noteLockWait(ctx context.Context, db *sql.DB) (stop func()) {
+	pid, held := lockHolder(ctx, db)
+	if !held {
+		return func() {}
 	}
-	fmt.Fprintf(a.stderr, "pgidem: waiting for pgidem's migration lock, held by backend pid %d (another migration run); "+
-		"giving up after about %d s\n", pid, migrations.LockRetryAttempts*migrations.LockRetryPeriodSeconds)
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		timer := time.NewTimer(lockNoteDelay)
+		defer timer.Stop()
+		select {
+		case <-ctx.Done():
+			return
+		case <-timer.C:
+		}
+		// The same session as before the migration started, so not this run's.
+		if holder, held := lockHolder(ctx, db); held && holder == pid {
+			fmt.Fprintf(a.stderr, "pgidem: waiting for pgidem's migration lock, held by backend pid %d (another migration run); "+
+				"giving up after about %d s\n", pid, migrations.LockRetryAttempts*migrations.LockRetryPeriodSeconds)
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+	}
+}
+
+// lockHolder returns the backend pid of a session holding pgidem's migration lock; held is
+// false when none does (or the check failed: the migration reports what matters).
+func lockHolder(ctx context.Context, db *sql.DB) (pid int, held bool) {
+	if err := db.QueryRowContext(ctx, lockHolderSQL, migrations.LockID).Scan(&pid); err != nil {
+		return 0, false
+	}
+	return pid, true
+}
+
+// installedAnew reports whether results include pgidem's first migration, which creates
+// the record table: pgidem was installed (again) where the migrations ran.
+func installedAnew(results []*goose.MigrationResult) bool {
+	for _, r := range results {
+		if r.Source != nil && r.Source.Version == 1 {
+			return true
+		}
+	}
+	return false
+}
+
+// requireSchema returns, for a migrate command other than up (op), an error when --schema
+// names a schema that does not exist, saying where pgidem is installed, as the other
+// commands do (the migrations package, which would refuse it too, cannot look).
+func (a *app) requireSchema(ctx context.Context, op string) error {
+	if a.schema == "" {
+		return nil
+	}
+	pool, err := a.connectPool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	return newStore(pool, a.schema).missingSchema(ctx, op)
+}
+
+// schemaAndOtherInstalls reports, for --schema, whether the schema exists and the other
+// schemas of the database where pgidem is installed.
+func (a *app) schemaAndOtherInstalls(ctx context.Context) (exists bool, elsewhere []string, err error) {
+	pool, err := a.connectPool(ctx)
+	if err != nil {
+		return false, nil, err
+	}
+	defer pool.Close()
+	s := newStore(pool, a.schema)
+	if exists, err = s.schemaExists(ctx); err != nil {
+		return false, nil, fmt.Errorf("pgidem: look for schema %q: %w", a.schema, err)
+	}
+	// The search_path is --schema alone: current_schema() is it, or null when it does not
+	// exist, so every other installation is listed.
+	if elsewhere, err = otherInstalls(ctx, pool); err != nil {
+		return false, nil, fmt.Errorf("pgidem: look for pgidem in other schemas: %w", err)
+	}
+	return exists, elsewhere, nil
 }
 
 // printMigrations lists migration results in human form (nothing with --json).

@@ -2,20 +2,32 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode"
+	"unicode/utf8"
 )
 
-// printJSON writes v as indented JSON.
+// printJSON writes v as indented JSON. <, > and & are written as they are, not escaped for
+// HTML (\u003c …): the output is read by people and scripts, never embedded in a page.
 func printJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
+	enc.SetEscapeHTML(false)
 	if err := enc.Encode(v); err != nil {
-		return fmt.Errorf("pgidem: write json: %w", err)
+		var me *json.MarshalerError
+		var ue *json.UnsupportedValueError
+		var te *json.UnsupportedTypeError
+		if errors.As(err, &me) || errors.As(err, &ue) || errors.As(err, &te) {
+			return fmt.Errorf("pgidem: encode json: %w", err)
+		}
+		return writeError(err)
 	}
 	return nil
 }
@@ -43,9 +55,31 @@ func (t *table) row(cells ...string) {
 
 func (t *table) flush() error {
 	if err := t.tw.Flush(); err != nil {
-		return fmt.Errorf("pgidem: write output: %w", err)
+		return writeError(err)
 	}
 	return nil
+}
+
+// quoteName formats a namespace, key, consumer or message id for a table cell: as it is when
+// that reads unambiguously, else quoted in Go syntax (strconv.Quote), so that white space
+// (a trailing space, two spaces), quotes and non-printing characters show. Quoted are: a
+// name with white space, a quote character, a character that does not print, or invalid
+// UTF-8, and the empty name and "-" (which tables print for no value). An unquoted name
+// therefore never starts with '"'. --json output always has the exact text.
+func quoteName(s string) string {
+	if s == "" || s == "-" || !utf8.ValidString(s) ||
+		strings.IndexFunc(s, func(r rune) bool { return unicode.IsSpace(r) || r == '"' || r == '\'' || !unicode.IsPrint(r) }) >= 0 {
+		return strconv.Quote(s)
+	}
+	return s
+}
+
+// count formats n with the singular or plural noun: "1 record", "2 records", "0 records".
+func count[N int | int64](n N, singular, plural string) string {
+	if n == 1 {
+		return "1 " + singular
+	}
+	return fmt.Sprintf("%d %s", n, plural)
 }
 
 // humanDuration formats a non-negative number of seconds with its two most significant

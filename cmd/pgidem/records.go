@@ -46,17 +46,23 @@ func exactArgs(names ...string) cobra.PositionalArgs {
 	}
 }
 
-// keyArgs checks the NAMESPACE KEY arguments of records show and forget: two, each text
-// Postgres accepts (see checkText).
+// keyArgs checks the NAMESPACE KEY arguments of records show and forget: two, each one
+// pgidem could have stored (see checkKeyPart).
 func keyArgs(cmd *cobra.Command, args []string) error {
 	if err := exactArgs("NAMESPACE", "KEY")(cmd, args); err != nil {
 		return err
 	}
-	if err := checkText("NAMESPACE", args[0]); err != nil {
+	if err := checkKeyPart("NAMESPACE", args[0]); err != nil {
 		return err
 	}
-	return checkText("KEY", args[1])
+	return checkKeyPart("KEY", args[1])
 }
+
+// quotingNote is the help text on how table output prints names.
+const quotingNote = `In table output a namespace or key (consumer, message id) with white space, a quote, or a
+character that does not print is shown quoted in Go syntax ("order-9 ", "a\tb"), as are
+"" and "-"; pass it to show and forget unquoted, as the shell gives it (in bash $'a\tb'
+for escapes). --json output always has the exact text.`
 
 func (a *app) recordsListCommand() *cobra.Command {
 	var p listParams
@@ -72,7 +78,10 @@ record and is deleted by the next sweep, unless it is in progress under a live l
 
 --expired lists the records the next sweep deletes: past their TTL and not in progress
 under a live lease. With --limit, a note says when more records match; the --json output
-has no such note: it is an array of at most --limit records (--limit 0 for all).`,
+has no such note: it is an array of at most --limit records (--limit 0 for all), with each
+record's result and error (the table leaves them out, and does not read them).
+
+` + quotingNote,
 		Example: `  pgidem records list --namespace invoices --min-attempts 2
   pgidem records list --status in_progress --limit 20
   pgidem records list --expired --json`,
@@ -81,7 +90,7 @@ has no such note: it is an array of at most --limit records (--limit 0 for all).
 			if p.status != "" && !validStatus(p.status) {
 				return usagef("--status must be one of %s, got %q", statusValues, p.status)
 			}
-			if err := checkText("--namespace", p.namespace); err != nil {
+			if err := checkFilter("--namespace", p.namespace); err != nil {
 				return err
 			}
 			if cmd.Flags().Changed("namespace") && p.namespace == "" {
@@ -96,6 +105,7 @@ has no such note: it is an array of at most --limit records (--limit 0 for all).
 			if p.limit < 0 || p.limit > math.MaxInt32 {
 				return usagef("--limit must be between 0 (no limit) and %d, got %d", math.MaxInt32, p.limit)
 			}
+			p.values = a.json
 			return a.withStore(cmd.Context(), func(s *store) error {
 				records, more, err := s.list(cmd.Context(), p)
 				if err != nil {
@@ -117,14 +127,14 @@ has no such note: it is an array of at most --limit records (--limit 0 for all).
 					if r.Status == "in_progress" && r.LeaseRemainingSeconds != nil {
 						lease = remaining(*r.LeaseRemainingSeconds)
 					}
-					t.row(r.Namespace, r.Key, r.Status, fmt.Sprint(r.Attempts), humanDuration(r.AgeSeconds),
+					t.row(quoteName(r.Namespace), quoteName(r.Key), r.Status, fmt.Sprint(r.Attempts), humanDuration(r.AgeSeconds),
 						lease, remaining(r.TTLRemainingSeconds))
 				}
 				if err := t.flush(); err != nil {
 					return err
 				}
 				if more {
-					fmt.Fprintf(a.stdout, "(first %d records; raise --limit for more)\n", p.limit)
+					fmt.Fprintf(a.stdout, "(first %s; raise --limit for more)\n", count(p.limit, "record", "records"))
 				}
 				return nil
 			})
@@ -143,6 +153,7 @@ func (a *app) recordsShowCommand() *cobra.Command {
 	return &cobra.Command{
 		Use:     "show NAMESPACE KEY",
 		Short:   "Show one record in full",
+		Long:    "Shows the record for NAMESPACE KEY in full, result and error included.\n\n" + quotingNote,
 		Example: "  pgidem records show invoices order-9.invoice\n  pgidem records show invoices -- -order-9   # a key starting with '-'",
 		Args:    keyArgs,
 		RunE: a.action(func(cmd *cobra.Command, args []string) error {
@@ -171,11 +182,15 @@ may be running the effect right now, and deleting the record would let a second 
 run it in parallel. A live holder keeps renewing its lease, so the lease ends only once
 the holder is gone (or finishes); try again then, or pass --force if you know the holder
 is gone. The check and the delete are one SQL statement, so a holder renewing its lease
-at the same moment is never deleted without --force.`,
+at the same moment is never deleted without --force.
+
+Interrupted (Ctrl-C), it asks the server to cancel the delete and says whether anything
+was deleted; only when the server does not answer within a few seconds is that unknown,
+and the message says how to check.`,
 		Example: "  pgidem records forget invoices order-9.invoice\n  pgidem records forget invoices -- -order-9   # a key starting with '-'",
 		Args:    keyArgs,
 		RunE: a.action(func(cmd *cobra.Command, args []string) error {
-			return a.withStore(cmd.Context(), func(s *store) error {
+			return a.withStoreDeleting(cmd.Context(), func(s *store) error {
 				r, err := s.forget(cmd.Context(), args[0], args[1], force)
 				if err != nil {
 					return err
@@ -208,8 +223,8 @@ func (a *app) printFound(row any, deleted bool, print func(io.Writer) error) err
 
 // printRecord prints one record as aligned "field  value" lines.
 func printRecord(w io.Writer, r *record) error {
-	t := newTable(w, "namespace", r.Namespace)
-	t.row("key", r.Key)
+	t := newTable(w, "namespace", quoteName(r.Namespace))
+	t.row("key", quoteName(r.Key))
 	t.row("status", r.Status)
 	attempts := fmt.Sprint(r.Attempts)
 	if r.TookOver {

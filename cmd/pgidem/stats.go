@@ -24,7 +24,8 @@ holder stopped renewing the lease; TOOK OVER, records whose effect started more 
 progress under a live lease); and the oldest in-progress record with its lease. Then, for
 the record table and the inbox table, the row count, the expired rows the next sweep
 deletes, and the total size (with indexes and TOAST). A database without the inbox table
-gets no inbox line (--json: "inbox": null).`,
+gets no inbox line (--json: "inbox": null). Namespaces and keys are quoted as in records
+list.`,
 		Example: "  pgidem stats\n  pgidem stats --json",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
@@ -46,9 +47,9 @@ gets no inbox line (--json: "inbox": null).`,
 					for _, ns := range namespaces {
 						oldest, age, lease := "-", "-", "-"
 						if o := ns.OldestInProgress; o != nil {
-							oldest, age, lease = o.Key, humanDuration(o.AgeSeconds), remaining(o.LeaseRemainingSeconds)
+							oldest, age, lease = quoteName(o.Key), humanDuration(o.AgeSeconds), remaining(o.LeaseRemainingSeconds)
 						}
-						t.row(ns.Namespace, fmt.Sprint(ns.InProgress), fmt.Sprint(ns.Completed), fmt.Sprint(ns.Failed),
+						t.row(quoteName(ns.Namespace), fmt.Sprint(ns.InProgress), fmt.Sprint(ns.Completed), fmt.Sprint(ns.Failed),
 							fmt.Sprint(ns.LeaseExpired), fmt.Sprint(ns.TookOver), fmt.Sprint(ns.Expired), oldest, age, lease)
 					}
 					if err := t.flush(); err != nil {
@@ -56,11 +57,11 @@ gets no inbox line (--json: "inbox": null).`,
 					}
 					fmt.Fprintln(a.stdout)
 				}
-				fmt.Fprintf(a.stdout, "table %s: %d records (%d expired, not swept), %s\n",
-					total.Table, total.Rows, total.Expired, total.SizePretty)
+				fmt.Fprintf(a.stdout, "table %s: %s (%d expired, not swept), %s\n",
+					total.Table, count(total.Rows, "record", "records"), total.Expired, total.SizePretty)
 				if inbox != nil {
-					fmt.Fprintf(a.stdout, "table %s: %d messages (%d expired, not swept), %s\n",
-						inbox.Table, inbox.Rows, inbox.Expired, inbox.SizePretty)
+					fmt.Fprintf(a.stdout, "table %s: %s (%d expired, not swept), %s\n",
+						inbox.Table, count(inbox.Rows, "message", "messages"), inbox.Expired, inbox.SizePretty)
 				}
 				return nil
 			})

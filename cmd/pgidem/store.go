@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"time"
@@ -57,8 +58,27 @@ func (a *app) withStore(ctx context.Context, fn func(*store) error) error {
 	return fn(newStore(pool, a.schema))
 }
 
-// translate turns a database error into an actionable message.
+// withStoreDeleting is [app.withStore] for a command that deletes: interrupted while
+// connecting, it adds that nothing was deleted.
+func (a *app) withStoreDeleting(ctx context.Context, fn func(*store) error) error {
+	connected := false
+	err := a.withStore(ctx, func(s *store) error {
+		connected = true
+		return fn(s)
+	})
+	var ie *interruptedError
+	if !connected && errors.As(err, &ie) {
+		return interruptedf("%s; nothing was deleted", ie.msg)
+	}
+	return err
+}
+
+// translate turns a database error into an actionable message; an error after an
+// interrupt says "interrupted".
 func (s *store) translate(ctx context.Context, op string, err error) error {
+	if ctx.Err() != nil {
+		return interruptedf("pgidem: %s: interrupted", op)
+	}
 	if missing := s.missingTable(ctx, op, err); missing != nil {
 		return missing
 	}
@@ -71,14 +91,17 @@ func (s *store) translate(ctx context.Context, op string, err error) error {
 // the server's message.
 func (s *store) missingTable(ctx context.Context, op string, err error) error {
 	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.UndefinedTable {
+	if !errors.As(err, &pgErr) || (pgErr.Code != pgerrcode.UndefinedTable && pgErr.Code != pgerrcode.InvalidSchemaName) {
 		return nil
+	}
+	// A mistyped --schema (IDEM for idem): the schema is missing, not a table.
+	if missing := s.missingSchema(ctx, op); missing != nil {
+		return missing
 	}
 	where := "the connection's search_path"
 	if s.schema != "" {
 		where = fmt.Sprintf("schema %q", s.schema)
 	}
-	cc := s.pool.Config().ConnConfig
 	what := pgErr.Message
 	var elsewhere []string
 	if record, inbox, err := s.tablesExist(ctx); err == nil {
@@ -92,10 +115,7 @@ func (s *store) missingTable(ctx context.Context, op string, err error) error {
 			what = "table " + inboxTable + " not found"
 		}
 	}
-	// An empty database name in the configuration means the server's default, the user
-	// name (libpq's rule); name it.
-	msg := fmt.Sprintf("pgidem: %s: %s in %s of database %q (user %q on %s)",
-		op, what, where, cmp.Or(cc.Database, cc.User), cc.User, hostPort(cc.Host, cc.Port))
+	msg := fmt.Sprintf("pgidem: %s: %s in %s of %s", op, what, where, s.database())
 	if len(elsewhere) > 0 {
 		return fmt.Errorf("%s; pgidem is installed in %s of this database: pass --schema to point at it", msg, schemaList(elsewhere))
 	}
@@ -130,11 +150,61 @@ func schemaList(schemas []string) string {
 	return "schemas " + strings.Join(quoted[:len(quoted)-1], ", ") + " and " + quoted[len(quoted)-1]
 }
 
+// database describes the database the store is connected to, for messages.
+func (s *store) database() string {
+	cc := s.pool.Config().ConnConfig
+	// An empty database name in the configuration means the server's default, the user
+	// name (libpq's rule); name it.
+	return fmt.Sprintf("database %q (user %q on %s)", cmp.Or(cc.Database, cc.User), cc.User, hostPort(cc.Host, cc.Port))
+}
+
+// missingSchema returns an actionable error when --schema names a schema that does not
+// exist (schema names are case-sensitive: IDEM is not idem), naming the schemas where
+// pgidem is installed, and nil when it exists, when no --schema was given, or when it
+// cannot tell.
+func (s *store) missingSchema(ctx context.Context, op string) error {
+	if s.schema == "" {
+		return nil
+	}
+	if exists, err := s.schemaExists(ctx); err != nil || exists {
+		return nil
+	}
+	msg := fmt.Sprintf("pgidem: %s: schema %q does not exist in %s, so pgidem is not installed there (schema names are case-sensitive)",
+		op, s.schema, s.database())
+	// The search_path names only the missing schema, so current_schema() is null and
+	// every installation is listed.
+	if elsewhere, _ := otherInstalls(ctx, s.pool); len(elsewhere) > 0 {
+		return fmt.Errorf("%s; pgidem is installed in %s of this database: pass --schema to point at it", msg, schemaList(elsewhere))
+	}
+	return fmt.Errorf("%s; if that is not the database you meant, pass --database-url; if it is, check the name, or run 'pgidem migrate up' with it (which creates the schema)", msg)
+}
+
+// schemaExists reports whether --schema names an existing schema (compared exactly, as
+// Postgres compares quoted identifiers).
+func (s *store) schemaExists(ctx context.Context) (bool, error) {
+	var exists bool
+	err := s.pool.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)", s.schema).Scan(&exists)
+	return exists, err
+}
+
 // tablesExist reports whether the record table and the inbox table exist.
 func (s *store) tablesExist(ctx context.Context) (record, inbox bool, err error) {
 	err = s.pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL", s.table, s.inbox).
 		Scan(&record, &inbox)
 	return record, inbox, err
+}
+
+// qualifiedInbox names the inbox table with its schema, for messages: --schema's, else the
+// connection's current schema (the bare name when that cannot be read).
+func (s *store) qualifiedInbox(ctx context.Context) string {
+	if s.schema != "" {
+		return s.inboxDisplay
+	}
+	var current *string
+	if err := s.pool.QueryRow(ctx, "SELECT current_schema()").Scan(&current); err != nil || current == nil {
+		return inboxTable
+	}
+	return *current + "." + inboxTable
 }
 
 // inboxMissing reports whether err says a table is missing because the database has the
@@ -201,12 +271,18 @@ func (j rawJSON) String() string {
 }
 
 // recordColumns selects a [record] from a relation aliased r.
-const recordColumns = `r.namespace, r.key, r.status, r.attempts, r.owner::text,
-	encode(r.fingerprint, 'hex'), r.result::text, r.error::text,
-	r.created_at, r.updated_at, r.completed_at, r.lease_expires_at, r.expires_at,
+const recordColumns = recordColumnsHead + `, r.result::text, r.error::text, ` + recordColumnsTail
+
+// recordColumnsHead and recordColumnsTail select a [record] but its result and error (which
+// [scanRecord] expects between them) from a relation aliased r.
+const (
+	recordColumnsHead = `r.namespace, r.key, r.status, r.attempts, r.owner::text,
+	encode(r.fingerprint, 'hex')`
+	recordColumnsTail = `r.created_at, r.updated_at, r.completed_at, r.lease_expires_at, r.expires_at,
 	extract(epoch FROM now() - r.created_at)::float8,
 	extract(epoch FROM r.lease_expires_at - now())::float8,
 	extract(epoch FROM r.expires_at - now())::float8`
+)
 
 // scanRecord scans [recordColumns], after any leading destinations.
 func scanRecord(row pgx.Row, lead ...any) (*record, error) {
@@ -233,6 +309,9 @@ type listParams struct {
 	minAttempts int
 	expired     bool
 	limit       int
+	// values asks for each record's result and error, which can be large (megabytes); the
+	// table output shows neither, and without values the records come back without them.
+	values bool
 }
 
 // sweepableCondition is true for a record (alias r) that pgidem's sweep deletes: past its
@@ -241,7 +320,16 @@ type listParams struct {
 const sweepableCondition = `(r.expires_at <= now() AND (r.status <> 'in_progress' OR r.lease_expires_at <= now()))`
 
 // list returns the records matching p, newest first, at most p.limit of them (0: all).
-// more reports whether further records match beyond the limit.
+// more reports whether further records match beyond the limit; with p.values it is always
+// false (the --json output has no such note, so no extra record is read to tell).
+//
+// A record's result and error can be megabytes. Without p.values they are not read at
+// all. With it they are read by scalar subqueries (by primary key, in the statement's
+// snapshot: the same row) that Postgres, as for any expensive output expression under a
+// LIMIT, evaluates after the ORDER BY and the LIMIT: only for the records returned, and
+// never sorted. r.result::text in the select list would instead be read, converted and
+// sorted for every matching record. So with p.values there is always a LIMIT, the largest
+// bigint for no limit.
 func (s *store) list(ctx context.Context, p listParams) (records []*record, more bool, err error) {
 	var (
 		where []string
@@ -263,7 +351,12 @@ func (s *store) list(ctx context.Context, p listParams) (records []*record, more
 	if p.expired {
 		where = append(where, sweepableCondition)
 	}
-	query := "SELECT " + recordColumns + " FROM " + s.table + " r"
+	values := "NULL::text, NULL::text"
+	if p.values {
+		values = fmt.Sprintf(`(SELECT v.result::text FROM %[1]s v WHERE v.namespace = r.namespace AND v.key = r.key),
+			(SELECT v.error::text FROM %[1]s v WHERE v.namespace = r.namespace AND v.key = r.key)`, s.table)
+	}
+	query := "SELECT " + recordColumnsHead + ", " + values + ", " + recordColumnsTail + " FROM " + s.table + " r"
 	for i, cond := range where {
 		if i == 0 {
 			query += " WHERE " + cond
@@ -272,7 +365,14 @@ func (s *store) list(ctx context.Context, p listParams) (records []*record, more
 		}
 	}
 	query += " ORDER BY r.created_at DESC, r.namespace, r.key"
-	if p.limit > 0 {
+	switch {
+	case p.values && p.limit == 0:
+		args = append(args, int64(math.MaxInt64))
+		query += fmt.Sprintf(" LIMIT $%d", len(args))
+	case p.values:
+		args = append(args, p.limit)
+		query += fmt.Sprintf(" LIMIT $%d", len(args))
+	case p.limit > 0:
 		// One more than asked for: whether it comes back says if more records match.
 		args = append(args, p.limit+1)
 		query += fmt.Sprintf(" LIMIT $%d", len(args))
@@ -341,6 +441,9 @@ func (s *store) forget(ctx context.Context, namespace, key string, force bool) (
 		return nil, fmt.Errorf("%w; nothing deleted", errNoRecord(namespace, key))
 	}
 	if err != nil {
+		if ie := interruptedDelete(ctx, "forget record", err, fmt.Sprintf("pgidem records show %q %q", namespace, key)); ie != nil {
+			return nil, ie
+		}
 		return nil, s.translate(ctx, "forget record", err)
 	}
 	if deleted {
@@ -351,6 +454,23 @@ func (s *store) forget(ctx context.Context, namespace, key string, force bool) (
 			namespace, key, "expires "+remaining(*r.LeaseRemainingSeconds), r.Owner)
 	}
 	return nil, fmt.Errorf("pgidem: namespace %q key %q changed while it was being forgotten (its holder renewed or took over the lease); nothing deleted; run the command again", namespace, key)
+}
+
+// interruptedDelete returns the error of a delete (op, one statement) that failed after an
+// interrupt, saying what is known of it, or nil when ctx has not ended. The CLI's
+// connections ask the server to cancel the statement and wait for its answer (see
+// interruptGrace): a cancelled statement, like one never sent, deleted nothing; without an
+// answer the outcome is unknown, and check says how to find it out.
+func interruptedDelete(ctx context.Context, op string, err error, check string) error {
+	if ctx.Err() == nil {
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if pgconn.SafeToRetry(err) || (errors.As(err, &pgErr) && pgErr.Code == pgerrcode.QueryCanceled) {
+		return interruptedf("pgidem: %s: interrupted; nothing was deleted", op)
+	}
+	return interruptedf("pgidem: %s: interrupted before the server answered, so the delete may or may not have been applied "+
+		"(it is one statement, which commits on its own once it has run); check with '%s'", op, check)
 }
 
 // namespaceStats is one row of stats.

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/spf13/cobra"
@@ -28,7 +29,8 @@ the rows instead of blocking each other. It runs pgidem.Coordinator.Sweep.
 
 A database without the inbox table (its migration was not applied) only has its records
 swept; --json then reports "inbox": null, as stats does. When the sweep fails part way,
-the error says how many rows it had deleted.`,
+or is interrupted (Ctrl-C: the batch it is running is cancelled and rolled back), the
+error says how many rows it had deleted.`,
 		Example: "  pgidem sweep --batch-size 5000\n  # crontab: */10 * * * * pgidem sweep --database-url ...",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
@@ -38,6 +40,9 @@ the error says how many rows it had deleted.`,
 			}
 			ctx := cmd.Context()
 			pool, err := a.connectPool(ctx)
+			if ie := (*interruptedError)(nil); errors.As(err, &ie) {
+				return interruptedf("%s; nothing was deleted", ie.msg)
+			}
 			if err != nil {
 				return err
 			}
@@ -50,20 +55,34 @@ the error says how many rows it had deleted.`,
 			if res == nil {
 				res = &pgidem.SweepResult{}
 			}
+			deleted := count(res.Records, "expired record", "expired records") + " and " +
+				count(res.Inbox, "expired inbox row", "expired inbox rows")
+			if err != nil && ctx.Err() != nil {
+				// Each batch is a transaction of its own: the one the interrupt cut off
+				// (the server cancels its statement) is rolled back, the earlier ones stay.
+				return interruptedf("pgidem: sweep: interrupted after deleting %s (a batch cut off by the interrupt is rolled back)", deleted)
+			}
 			// inbox is nil when the database has no inbox table, as in stats.
 			inbox := &res.Inbox
+			// inboxName names the missing inbox table, schema included.
+			var inboxName string
 			if err != nil {
 				s := newStore(pool, a.schema)
 				if noInbox, checkErr := s.inboxMissing(ctx, err); checkErr == nil && noInbox {
 					// The records were swept; the inbox's migration was not applied.
 					err, inbox = nil, nil
+					inboxName = s.qualifiedInbox(ctx)
 				} else if missing := s.missingTable(ctx, "sweep", err); missing != nil {
 					err = missing
+				} else if se := (*pgidem.StoreError)(nil); errors.As(err, &se) {
+					// The library's "store unavailable" fits an outage, not an error the
+					// server answered with (permission denied, say): report it as the
+					// other commands do.
+					err = fmt.Errorf("pgidem: sweep: %w", se.Err)
 				}
 			}
 			if err != nil && res.Records+res.Inbox > 0 {
-				return fmt.Errorf("%w (before failing, the sweep deleted %d expired records and %d expired inbox rows)",
-					err, res.Records, res.Inbox)
+				return fmt.Errorf("%w (before failing, the sweep deleted %s)", err, deleted)
 			}
 			if err != nil {
 				return err
@@ -72,10 +91,10 @@ the error says how many rows it had deleted.`,
 				return printJSON(a.stdout, sweepJSON{Records: res.Records, Inbox: inbox})
 			}
 			if inbox == nil {
-				fmt.Fprintf(a.stdout, "swept %d expired records (no inbox table %s)\n", res.Records, inboxTable)
+				fmt.Fprintf(a.stdout, "swept %s (no inbox table %s)\n", count(res.Records, "expired record", "expired records"), inboxName)
 				return nil
 			}
-			fmt.Fprintf(a.stdout, "swept %d expired records and %d expired inbox rows\n", res.Records, res.Inbox)
+			fmt.Fprintf(a.stdout, "swept %s\n", deleted)
 			return nil
 		}),
 	}

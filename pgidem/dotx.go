@@ -183,7 +183,8 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 //     upserted in tx. An expired record behaves exactly like no record.
 //
 // fn runs inside a savepoint of tx and receives it as its tx; fn must not commit or roll it
-// back. If fn returns an error, panics, or its value cannot be stored as JSON
+// back (a fn that does so and returns nil gets an error matching [ErrInvalidArgument], and
+// nothing is recorded: roll tx back). If fn returns an error, panics, or its value cannot be stored as JSON
 // ([ErrResultNotStorable]), DoTx rolls back to the savepoint — fn's writes are undone,
 // nothing is recorded, tx stays usable — and returns the error (a panic continues). A
 // [Permanent] error is different: fn's writes are still undone, but a failed record is
@@ -244,7 +245,7 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // returned as a [*StoreError]; after one, roll tx back. [Config.FailOpen] does not apply:
 // the effect lives in the same database. A read-only tx (it could never write the record)
 // returns an error matching [ErrInvalidArgument] before fn runs, as do a tx an earlier
-// failed statement already aborted, nil arguments and
+// failed statement already aborted, a tx already committed or rolled back, nil arguments and
 // a call for the key from within the fn of a call holding it, directly or through calls for
 // other keys (in the same transaction it would find no record yet and run fn again and
 // again). A fn that returns nil after one of its statements failed (the server then
@@ -285,8 +286,11 @@ func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, t
 // the replay of a stored failure, commits nothing new. A failed commit returns a
 // [*StoreError] for op "commit" instead of fn's value or error (and a zero Result); fn's
 // writes (or the failed record) are then not committed, although a connection lost during
-// COMMIT leaves that uncertain — the next call replays if it did commit. Safe for
-// concurrent use.
+// COMMIT leaves that uncertain — the next call replays if it did commit. A commit that
+// fails by fn's doing returns an error saying so instead, neither logged nor counted as a
+// store error: the server refused it for a deferred constraint fn's writes broke (SQLSTATE
+// class 23; nothing is committed), or fn committed or rolled back tx itself, which it must
+// not (matching [ErrInvalidArgument]). Safe for concurrent use.
 func DoInTxResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (Result[T], error) {
 	var zero Result[T]
 	if c == nil || fn == nil {
@@ -319,6 +323,9 @@ func DoInTxResult[T any](ctx context.Context, c *Coordinator, namespace, key str
 	}
 	if commitErr := tx.Commit(ctx); commitErr != nil {
 		committed = true // Commit ended the transaction either way
+		if refused := commitRefused("DoInTx", commitErr); refused != nil {
+			return zero, refused
+		}
 		return zero, c.logStoreError(ctx, cl, storeError("commit", commitErr))
 	}
 	committed = true
@@ -511,6 +518,10 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 		c.emitInvalid(ctx, cl.namespace)
 		return r, false, invalidArgument("DoTx: the transaction was already aborted by a statement that failed before DoTx; roll it back: fn was not run")
 	}
+	if errors.Is(err, pgx.ErrTxClosed) {
+		c.emitInvalid(ctx, cl.namespace)
+		return r, false, invalidArgument("DoTx: the transaction was already committed or rolled back: fn was not run")
+	}
 	if err != nil {
 		return r, false, c.logStoreError(ctx, cl, storeError("lock", err))
 	}
@@ -629,6 +640,14 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 
 	c.emit(ctx, EventExecuted, cl.namespace, 1)
 	value, fnErr := fn(withKey(ctx, c.config.Schema, cl.namespace, cl.key, false), sp)
+	if sp.closed && fnErr == nil {
+		// fn released or rolled back its savepoint itself: nothing can be recorded with
+		// its writes any more (a record written now would stand beside writes undone, or
+		// writes already merged into tx without it).
+		released = true
+		return out, true, invalidArgument("DoTx: fn ended the transaction it was given (Commit or Rollback), which it must not: " +
+			"nothing was recorded; roll tx back")
+	}
 	if fnErr != nil {
 		var permanent *PermanentError
 		if !errors.As(fnErr, &permanent) {

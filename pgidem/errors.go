@@ -269,6 +269,57 @@ func abortedByFn(op string, err error) error {
 		"nothing of fn's was committed (fn must return that statement's error): %w", op, err)
 }
 
+// sqlstateClassIntegrity is the class of integrity constraint violations (23503 foreign
+// key, 23505 unique, …): at a commit, a deferred constraint the transaction's writes broke.
+const sqlstateClassIntegrity = "23"
+
+// commitRefused returns the error for a failed commit of a transaction pgidem began and gave
+// fn (InboxHandle, DoInTx) when the failure is fn's doing rather than the store's: fn
+// returned nil after one of its statements failed ([abortedByFn]); fn ended the
+// transaction itself (pgx.ErrTxClosed; it matches [ErrInvalidArgument]); or the server
+// refused the commit for a deferred constraint fn's writes broke (class 23), which it
+// would refuse again on every delivery. None is a *StoreError: each is neither logged nor
+// counted, and a caller that retries store errors does not loop on it. nil otherwise.
+func commitRefused(op string, err error) error {
+	if abortErr := abortedByFn(op, err); abortErr != nil {
+		return abortErr
+	}
+	if errors.Is(err, pgx.ErrTxClosed) {
+		return invalidArgument("%s: fn ended the transaction it was given (Commit or Rollback), which it must not: "+
+			"fn's writes and the record were committed or rolled back with it, whichever fn called", op)
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, sqlstateClassIntegrity) {
+		return fmt.Errorf("pgidem: %s: the commit was refused for a deferred constraint that fn's writes broke; "+
+			"nothing was committed: %w", op, err)
+	}
+	return nil
+}
+
+// unusableTx returns the error for a caller's transaction that cannot take pgidem's
+// statement, judged from the error of that statement: one an earlier failed statement
+// aborted (25P02), one already committed or rolled back (pgx.ErrTxClosed), or a read-only
+// one (25006, after which the server has aborted it too). Each matches
+// [ErrInvalidArgument]. nil for any other error.
+func unusableTx(op string, err error) error {
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.Is(err, pgx.ErrTxClosed):
+		return invalidArgument("%s: the transaction was already committed or rolled back", op)
+	case !errors.As(err, &pgErr):
+		return nil
+	case pgErr.Code == sqlstateInFailedTransaction:
+		return invalidArgument("%s: the transaction was already aborted by a statement that failed before it; roll it back", op)
+	case pgErr.Code == sqlstateReadOnlyTransaction:
+		return invalidArgument("%s: the transaction is read-only, so it cannot hold the row; the server has aborted it: roll it back", op)
+	}
+	return nil
+}
+
+// sqlstateReadOnlyTransaction is read_only_sql_transaction: a write in a read-only
+// transaction.
+const sqlstateReadOnlyTransaction = "25006"
+
 // isSerializationFailure reports whether the server refused a statement because a row it
 // needed changed after its snapshot (serialization_failure, 40001). pgidem's own
 // statements expect READ COMMITTED, Postgres's default, which re-checks such a row

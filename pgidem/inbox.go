@@ -315,8 +315,10 @@ func numericFits(b []byte) (int, bool) {
 // deleting the expired row this call would reuse, may instead fail with a serialization
 // failure (SQLSTATE 40001, returned as a [*StoreError] whose Err is the *pgconn.PgError);
 // retry the transaction. Database errors are returned as a [*StoreError] for op "inbox";
-// roll tx back after one. tx must be read-write: in a read-only transaction the statement
-// is refused (a *StoreError) and tx is aborted. A call for the message from within the
+// roll tx back after one. A tx that cannot take the row returns an error matching
+// [ErrInvalidArgument] instead: one already committed or rolled back, one an earlier
+// failed statement aborted, or a read-only one (the refused statement aborts it: roll it
+// back). A call for the message from within the
 // [Coordinator.InboxHandle] fn handling it returns an error matching [ErrInvalidArgument]
 // before tx is touched: on that fn's tx it would report a duplicate (and the caller skip
 // the handler's writes), on another it would wait for the handler's uncommitted row.
@@ -341,6 +343,10 @@ func (c *Coordinator) inboxRecord(ctx context.Context, db executor, ic *inboxCal
 	var inserted bool
 	err := db.QueryRow(ctx, c.sql.inbox.record, ic.consumer, ic.messageID, jsonText(ic.payload),
 		micros(ic.retention)).Scan(&inserted)
+	if txErr := unusableTx("InboxRecordTx", err); txErr != nil {
+		c.emitInvalid(ctx, ic.consumer)
+		return false, txErr
+	}
 	if err != nil {
 		return false, c.inboxStoreError(ctx, ic, "inbox", err)
 	}
@@ -367,11 +373,16 @@ func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op str
 // commit succeeded; false with a nil error means the message was a duplicate and fn did not
 // run.
 //
-// If fn returns an error or panics, the transaction is rolled back — fn's writes and the
-// inbox row alike — and the error is returned (a panic continues), so the redelivery runs
-// fn again. A failed commit returns a [*StoreError] for op "commit", except when fn
-// returned nil after one of its statements failed (the server aborts the transaction, so
-// the commit rolls back): that returns an error saying so, not a store error. Validation and
+// fn must not commit or roll back tx. If fn returns an error or panics, the transaction is
+// rolled back — fn's writes and the inbox row alike — and the error is returned (a panic
+// continues), so the redelivery runs fn again. A failed commit returns a [*StoreError] for
+// op "commit", except when the failure is fn's doing, which returns an error saying so,
+// neither logged nor counted as a store error: fn returned nil after one of its
+// statements failed (the server aborts the transaction, so the commit rolls back); the
+// server refused the commit for a deferred constraint fn's writes broke (SQLSTATE class
+// 23: nothing is committed, and a redelivery would be refused the same way); or fn
+// committed or rolled back tx itself (matching [ErrInvalidArgument]: fn's writes and the
+// inbox row went with whichever fn called, so a redelivery is skipped or runs fn again). Validation and
 // concurrency are as in InboxRecordTx: a concurrent duplicate waits for the first
 // transaction and then skips, or runs if the first rolled back. A nil fn, or a call for
 // the message from within the fn handling it (directly or through other calls; it would
@@ -424,8 +435,8 @@ func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID strin
 	}
 	ended = true
 	if err := tx.Commit(ctx); err != nil {
-		if abortErr := abortedByFn("InboxHandle", err); abortErr != nil {
-			return false, abortErr
+		if refused := commitRefused("InboxHandle", err); refused != nil {
+			return false, refused
 		}
 		return false, c.inboxStoreError(ctx, ic, "commit", err)
 	}

@@ -97,12 +97,12 @@ func ensureTemplate(ctx context.Context, serverURL, name string) error {
 	if err != nil {
 		return fmt.Errorf("testdb: look up template: %w", err)
 	}
-	// Templates of other migration revisions are no longer used once they are an hour
-	// old: remove them. (A younger one may belong to a run of another checkout, on
-	// another branch, that is cloning it right now.)
+	// Templates of other migration revisions no test run used for an hour are no longer
+	// used: remove them. (A run of another checkout, on another branch, may be cloning a
+	// more recently used one right now.)
 	rows, err := conn.Query(ctx, `SELECT datname FROM pg_database
 		WHERE datname LIKE 'pgidem\_tmpl\_%' AND datname <> $1
-			AND coalesce(substring(shobj_description(oid, 'pg_database') FROM '^pgidem test template made at (.*)$')::timestamptz,
+			AND coalesce(substring(shobj_description(oid, 'pg_database') FROM '^pgidem test template used at (.*)$')::timestamptz,
 				'-infinity') < now() - interval '1 hour'`, name)
 	if err != nil {
 		return fmt.Errorf("testdb: list old templates: %w", err)
@@ -121,7 +121,8 @@ func ensureTemplate(ctx context.Context, serverURL, name string) error {
 		}
 	}
 	if ready {
-		return nil
+		// Mark it used now, so that a run of another revision keeps it for the next hour.
+		return markTemplate(ctx, conn, name)
 	}
 	// A half-made template from a killed run is not marked datistemplate: start over.
 	if _, err := conn.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
@@ -136,8 +137,14 @@ func ensureTemplate(ctx context.Context, serverURL, name string) error {
 	if _, err := conn.Exec(ctx, "ALTER DATABASE "+pgx.Identifier{name}.Sanitize()+" WITH IS_TEMPLATE true"); err != nil {
 		return fmt.Errorf("testdb: mark template: %w", err)
 	}
+	return markTemplate(ctx, conn, name)
+}
+
+// markTemplate records in the template's comment that a run uses it now: runs of other
+// migration revisions drop templates only an hour after their last use.
+func markTemplate(ctx context.Context, conn *pgx.Conn, name string) error {
 	// (COMMENT takes no parameters; the text is ours and holds no quote.)
-	if _, err := conn.Exec(ctx, fmt.Sprintf("COMMENT ON DATABASE %s IS 'pgidem test template made at %s'",
+	if _, err := conn.Exec(ctx, fmt.Sprintf("COMMENT ON DATABASE %s IS 'pgidem test template used at %s'",
 		pgx.Identifier{name}.Sanitize(), time.Now().UTC().Format(time.RFC3339))); err != nil {
 		return fmt.Errorf("testdb: mark template: %w", err)
 	}

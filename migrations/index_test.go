@@ -3,12 +3,17 @@ package migrations_test
 import (
 	"context"
 	"encoding/json"
+	"strings"
+	"sync"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/internal/testdb"
 	"github.com/pgidem/pgidem/migrations"
+	"github.com/pgidem/pgidem/pgidem"
 )
 
 // sweepPlanUses reports whether an EXPLAIN (FORMAT JSON) plan reads index anywhere, and whether
@@ -35,11 +40,28 @@ func sweepPlanUses(plan any, index, table string) (usesIndex, seqScan bool) {
 	return usesIndex, seqScan
 }
 
+// sweepTracer records the SQL and arguments of the DELETE statements run through a pool.
+type sweepTracer struct {
+	mu      sync.Mutex
+	deletes []pgx.TraceQueryStartData
+}
+
+func (st *sweepTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.HasPrefix(strings.TrimSpace(data.SQL), "DELETE") {
+		st.mu.Lock()
+		st.deletes = append(st.deletes, data)
+		st.mu.Unlock()
+	}
+	return ctx
+}
+
+func (*sweepTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
 // DESIGN "Data model": pgidem_record (and pgidem_inbox, swept the same way) has an index
-// that lets the sweeper find expired rows without a scan: after the migrations, an index
-// leads with expires_at, and the sweep's DELETE (the statement of pgidem's sweep.go,
-// store.go and inbox.go) reads it, not the whole table, on a table of live rows with a
-// few expired ones.
+// that lets the sweeper find expired rows without a scan. After the migrations, an index
+// of each table leads with expires_at, and the DELETE statements pgidem's own Sweep sends
+// (recorded by a tracer on its pool, then explained with their arguments) read it, not
+// the whole table, on a table of live rows with a few expired ones.
 func TestSweepIndex(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -48,58 +70,57 @@ func TestSweepIndex(t *testing.T) {
 	_, err := migrations.Up(ctx, db, nil)
 	require.NoError(t, err)
 
-	tests := []struct {
-		table, fill, sweep string
-	}{
-		{
-			table: "pgidem_record",
-			fill: `INSERT INTO pgidem_record (namespace, key, status, owner, result, expires_at, completed_at)
-				SELECT 'ns', 'k' || i, 'completed', gen_random_uuid(), '1',
-					now() + CASE WHEN i <= 5 THEN interval '-1 hour' ELSE interval '1 day' END, now()
-				FROM generate_series(1, 20000) AS i`,
-			sweep: `DELETE FROM pgidem_record
-				WHERE (namespace, key) IN (
-					SELECT namespace, key FROM pgidem_record
-					WHERE expires_at <= now()
-						AND (status <> 'in_progress' OR lease_expires_at <= now())
-					LIMIT 1000
-					FOR UPDATE SKIP LOCKED
-				)`,
-		},
-		{
-			table: "pgidem_inbox",
-			fill: `INSERT INTO pgidem_inbox (consumer, message_id, expires_at)
-				SELECT 'c', 'm' || i, now() + CASE WHEN i <= 5 THEN interval '-1 hour' ELSE interval '1 day' END
-				FROM generate_series(1, 20000) AS i`,
-			sweep: `DELETE FROM pgidem_inbox
-				WHERE (consumer, message_id) IN (
-					SELECT consumer, message_id FROM pgidem_inbox
-					WHERE expires_at <= now()
-					LIMIT 1000
-					FOR UPDATE SKIP LOCKED
-				)`,
-		},
+	fills := map[string]string{
+		"pgidem_record": `INSERT INTO pgidem_record (namespace, key, status, owner, result, expires_at, completed_at)
+			SELECT 'ns', 'k' || i, 'completed', gen_random_uuid(), '1',
+				now() + CASE WHEN i <= 5 THEN interval '-1 hour' ELSE interval '1 day' END, now()
+			FROM generate_series(1, 20000) AS i`,
+		"pgidem_inbox": `INSERT INTO pgidem_inbox (consumer, message_id, expires_at)
+			SELECT 'c', 'm' || i, now() + CASE WHEN i <= 5 THEN interval '-1 hour' ELSE interval '1 day' END
+			FROM generate_series(1, 20000) AS i`,
 	}
-	for _, tt := range tests {
+	indexes := map[string]string{}
+	for table, fill := range fills {
 		var index string
 		err := db.QueryRowContext(ctx, `
 			SELECT c.relname FROM pg_catalog.pg_index i
 			JOIN pg_catalog.pg_class c ON c.oid = i.indexrelid
 			JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
 			WHERE i.indrelid = $1::regclass AND a.attname = 'expires_at' AND i.indisvalid AND i.indpred IS NULL
-			ORDER BY c.relname LIMIT 1`, tt.table).Scan(&index)
-		require.NoError(t, err, "%s has no valid index leading with expires_at", tt.table)
+			ORDER BY c.relname LIMIT 1`, table).Scan(&index)
+		require.NoError(t, err, "%s has no valid index leading with expires_at", table)
+		indexes[table] = index
+		_, err = db.ExecContext(ctx, fill)
+		require.NoError(t, err)
+		_, err = db.ExecContext(ctx, `ANALYZE `+table)
+		require.NoError(t, err)
+	}
 
-		_, err = db.ExecContext(ctx, tt.fill)
-		require.NoError(t, err)
-		_, err = db.ExecContext(ctx, `ANALYZE `+tt.table)
-		require.NoError(t, err)
+	tracer := &sweepTracer{}
+	cfg, err := pgxpool.ParseConfig(tdb.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.Tracer = tracer
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	defer pool.Close()
+	coord, err := pgidem.NewCoordinator(pool, nil)
+	require.NoError(t, err)
+	res, err := coord.Sweep(ctx, &pgidem.SweepOpts{MaxBatches: 1})
+	require.NoError(t, err)
+	require.Equal(t, pgidem.SweepResult{Records: 5, Inbox: 5}, *res)
+	require.Len(t, tracer.deletes, 2, "one DELETE per table")
+
+	for _, del := range tracer.deletes {
+		table := "pgidem_record"
+		if strings.Contains(del.SQL, "pgidem_inbox") {
+			table = "pgidem_inbox"
+		}
 		var out string
-		require.NoError(t, db.QueryRowContext(ctx, `EXPLAIN (FORMAT JSON) `+tt.sweep).Scan(&out))
+		require.NoError(t, pool.QueryRow(ctx, `EXPLAIN (FORMAT JSON) `+del.SQL, del.Args...).Scan(&out))
 		var plan any
 		require.NoError(t, json.Unmarshal([]byte(out), &plan))
-		usesIndex, seqScan := sweepPlanUses(plan, index, tt.table)
-		require.True(t, usesIndex, "the sweep of %s does not use %s:\n%s", tt.table, index, out)
-		require.False(t, seqScan, "the sweep of %s scans the table:\n%s", tt.table, out)
+		usesIndex, seqScan := sweepPlanUses(plan, indexes[table], table)
+		require.True(t, usesIndex, "the sweep of %s does not use %s:\n%s", table, indexes[table], out)
+		require.False(t, seqScan, "the sweep of %s scans the table:\n%s", table, out)
 	}
 }

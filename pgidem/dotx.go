@@ -157,11 +157,12 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // the lock is free it is taken and the record read in one round trip. When another
 // transaction holds it, the same round trip's read still counts: a completed record or a
 // stored failure within its TTL is final, so it is replayed without the lock (a
-// transaction that holds the lock only to replay, and stays open, delays nobody).
-// Otherwise the in-flight policy decides: [InFlightRaise] returns an
+// transaction that holds the lock only to replay, and stays open, does not hold up the
+// key's replays). Otherwise the in-flight policy decides: [InFlightRaise] returns an
 // [*InProgressError] at once; [InFlightWait] waits for the lock under SET LOCAL
-// lock_timeout, inside a savepoint, and returns an [*InProgressError] with Waited set when
-// the wait timeout passes. Either way tx stays usable: the savepoint is rolled back and
+// lock_timeout, inside a savepoint, in waits of at most [Config.PollIntervalMax] between
+// which it reads the record again (a record that finished meanwhile replays at once), and
+// returns an [*InProgressError] with Waited set when the wait timeout passes. Either way tx stays usable: the savepoint is rolled back and
 // lock_timeout is restored to the caller's value. The RetryAfter hint of a lock conflict
 // is [Config.PollIntervalMax] (there is no lease to measure), and its Attempts and
 // LeaseExpiresAt are zero.
@@ -170,9 +171,7 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // minute); it is unused under Raise. It is one budget for the whole call, counted from
 // when DoTx starts: the wait for the advisory lock and any polling of a Do holder's row
 // (below) both draw on it, and ctx bounds it too. lock_timeout is set to what remains of
-// it, rounded up to whole milliseconds; since Postgres accepts at most 2147483647 ms
-// (about 24.8 days), a longer budget is waited out in successive lock waits of at most
-// that long.
+// it (or PollIntervalMax, whichever is less), rounded up to whole milliseconds.
 //
 // Holding the lock, DoTx reads the record:
 //   - completed (or a stored permanent failure) and not expired: the fingerprint is
@@ -550,8 +549,11 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 			c.emit(ctx, EventInProgress, cl.namespace, 1)
 			return r, false, inProgress
 		}
-		// lock_timeout has a ceiling; a longer budget is waited out in several waits.
-		wait := min(remaining, lockTimeoutMax)
+		// The lock is waited for in slices of at most PollIntervalMax (lock_timeout has a
+		// ceiling too), reading the record between them: the lock's holder may keep it
+		// long after the record finished (a transaction that replayed and stays open),
+		// and a finished record replays without the lock.
+		wait := min(remaining, lockTimeoutMax, c.config.PollIntervalMax)
 		err := c.txWaitLock(ctx, tx, cl, id, wait)
 		if err == nil {
 			return c.txRead(ctx, tx, cl)
@@ -563,6 +565,10 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 		if wait == remaining { // the whole budget was waited for
 			c.emit(ctx, EventInProgress, cl.namespace, 1)
 			return r, false, inProgress
+		}
+		r, found, err := c.txRead(ctx, tx, cl)
+		if err != nil || (found && r.finished()) {
+			return r, found, err
 		}
 	}
 }

@@ -50,12 +50,19 @@ func requireUsable(t *testing.T, ctx context.Context, tx pgx.Tx) {
 // type ("advisory", "transactionid"): a condition, not a timing assumption.
 func (b *testBundle) waitForBlocked(t *testing.T, lockType string, n int) {
 	t.Helper()
+	b.waitForLocks(t, lockType, false, n)
+}
+
+// waitForLocks waits until n locks of the given type are granted (or, with granted false,
+// waited for) by backends of the test database.
+func (b *testBundle) waitForLocks(t *testing.T, lockType string, granted bool, n int) {
+	t.Helper()
 	require.Eventually(t, func() bool {
-		var waiting int
+		var count int
 		err := b.db.Pool.QueryRow(b.ctx, `
 SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE NOT l.granted AND l.locktype = $1 AND a.datname = current_database()`, lockType).Scan(&waiting)
-		return err == nil && waiting >= n
+WHERE l.granted = $2 AND l.locktype = $1 AND a.datname = current_database()`, lockType, granted).Scan(&count)
+		return err == nil && count >= n
 	}, 30*time.Second, 5*time.Millisecond)
 }
 
@@ -269,6 +276,62 @@ func TestDoTxReplaysWithoutTheLock(t *testing.T) {
 			})
 		}
 	}
+}
+
+// A Wait call queued for the key's lock notices the record finishing although the lock's
+// holder stays open: a Do holder runs the effect, one transaction takes the lock and polls
+// Do's row, another queues for the lock; Do completes, the first transaction replays and
+// stays open. The queued call replays too, well inside its wait budget.
+func TestDoTxLockWaiterReplaysWhileTheHolderStaysOpen(t *testing.T) {
+	t.Parallel()
+	b := setup(t, &pgidem.Config{PollIntervalMax: 50 * time.Millisecond})
+	doHolder := b.hold(b.coord, "ledger", "k", nil, "from-do")
+
+	first := make(chan error, 1)
+	replayed := make(chan struct{})
+	holder := b.begin(t)
+	go func() {
+		res, err := pgidem.DoTxResult(b.ctx, b.coord, holder, "ledger", "k", testTTL, nil,
+			func(context.Context, pgx.Tx) (string, error) { return "from-first-tx", nil })
+		if err == nil && !res.Replayed {
+			err = errors.New("the first transaction ran fn")
+		}
+		close(replayed)
+		first <- err
+	}()
+	b.waitForLocks(t, "advisory", true, 1) // the first transaction holds the lock, polling Do's row
+
+	type outcome struct {
+		res pgidem.Result[string]
+		err error
+	}
+	second := make(chan outcome, 1)
+	go func() {
+		tx, err := b.db.Pool.Begin(b.ctx)
+		if err != nil {
+			second <- outcome{err: err}
+			return
+		}
+		defer tx.Rollback(b.ctx) //nolint:errcheck // read only
+		res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "ledger", "k", testTTL,
+			&pgidem.DoOpts{WaitTimeout: time.Minute},
+			func(context.Context, pgx.Tx) (string, error) { return "from-second-tx", nil })
+		second <- outcome{res, err}
+	}()
+	b.waitForBlocked(t, "advisory", 1)
+
+	doHolder.unblock()
+	require.NoError(t, <-doHolder.done)
+	<-replayed // the first transaction replays, and stays open: its lock is held
+	select {
+	case out := <-second:
+		require.NoError(t, out.err)
+		require.True(t, out.res.Replayed)
+		require.Equal(t, "from-do", out.res.Value)
+	case <-time.After(20 * time.Second):
+		t.Fatal("the queued call still waits for the lock of a transaction that only replayed")
+	}
+	require.NoError(t, <-first)
 }
 
 func TestDoTxWaitsForLock(t *testing.T) {

@@ -297,7 +297,12 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 		var r row
 		err := pgx.ErrNoRows
 		if !cl.reserveFirst || rounds > 0 {
-			err = c.pool.QueryRow(ctx, c.sql.probe, cl.namespace, cl.key).Scan(r.probeTargets()...)
+			// Bounded like the reserving write: a pool with no connection to spare (its
+			// holders waiting on each other) fails the call instead of blocking it for
+			// as long as ctx allows, which may be for ever.
+			pctx, cancel := context.WithTimeout(ctx, c.config.FinishTimeout)
+			err = c.pool.QueryRow(pctx, c.sql.probe, cl.namespace, cl.key).Scan(r.probeTargets()...)
+			cancel()
 			// The store answered. From here on a failure is not "unreachable": the
 			// reserving insert may be blocked behind another transaction's uncommitted
 			// record for the key (an open DoTx), and failing open would run fn beside it.
@@ -763,6 +768,15 @@ func (c *Coordinator) reportStoreError(ctx context.Context, namespace string, er
 		// A statement that failed after ctx ended failed because of it (pgx closes a
 		// connection whose query was cut off, and the next statement finds it closed).
 		return fmt.Errorf("%w (then %s failed: %w)", ctxErr, se.Op, se.Err)
+	}
+	if errors.As(err, &se) && errors.Is(se.Err, context.DeadlineExceeded) {
+		if st := c.pool.Stat(); st.AcquiredConns() >= st.MaxConns() {
+			// Most likely the statement never got a connection: say so, since the usual
+			// cause is the application's, not the server's.
+			se.Err = fmt.Errorf("%w (all %d connections of the pool were in use: size the pool above the "+
+				"calls that hold a connection while they call pgidem, such as InboxHandle or DoTx transactions calling Do)",
+				se.Err, st.MaxConns())
+		}
 	}
 	if errors.Is(err, ErrStoreUnavailable) {
 		c.config.Logger.LogAttrs(ctx, slog.LevelError, "pgidem: store error", append(attrs, slog.String("error", err.Error()))...)

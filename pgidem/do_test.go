@@ -787,6 +787,44 @@ func TestPoolExhaustedBeforeFn(t *testing.T) {
 	}
 }
 
+// With every connection of the pool in use and a caller whose context has no deadline (a
+// consumer loop), a call fails after FinishTimeout instead of waiting for ever, whichever
+// statement it starts with, and its error says the pool had no connection to spare: the
+// usual cause is handlers holding connections while they call Do (InboxHandle), not the
+// server. The indexed read a call starts with used to wait as long as ctx allowed.
+func TestPoolExhaustedFailsAfterFinishTimeout(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for _, reserveFirst := range []bool{false, true} {
+		t.Run(fmt.Sprintf("ReserveFirst=%v", reserveFirst), func(t *testing.T) {
+			t.Parallel()
+			pool := b.newPool(t, func(c *pgxpool.Config) { c.MaxConns = 2 })
+			coord := b.newCoordOn(t, pool, &pgidem.Config{FinishTimeout: 300 * time.Millisecond})
+			for range 2 {
+				held, err := pool.Acquire(b.ctx)
+				require.NoError(t, err)
+				defer held.Release()
+			}
+			done := make(chan error, 1)
+			ran := false
+			go func() {
+				_, err := pgidem.Do(b.ctx, coord, "mail", "k", testTTL, &pgidem.DoOpts{ReserveFirst: reserveFirst},
+					func(context.Context) (int, error) { ran = true; return 1, nil })
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+				require.ErrorIs(t, err, context.DeadlineExceeded)
+				require.Contains(t, err.Error(), "all 2 connections of the pool were in use")
+				require.False(t, ran)
+			case <-time.After(20 * time.Second):
+				t.Fatal("the call still waits for a connection")
+			}
+		})
+	}
+}
+
 // A caller whose context ends while its reserving statement waits on the server (behind an
 // open transaction's record for the key), on a pool whose only connection another
 // goroutine is queued for, releases the reservation its statement then makes on that same

@@ -29,8 +29,9 @@ const (
 // InboxOpts are optional settings for [Coordinator.InboxRecordTx] and
 // [Coordinator.InboxHandle]. A nil *InboxOpts means all defaults.
 type InboxOpts struct {
-	// Retention is how long the message stays recorded, counted from when it was
-	// recorded. A redelivery within it is skipped; after it the row counts as absent
+	// Retention is how long the message stays recorded, counted from the statement that
+	// recorded it (not from the commit, so a handler that runs longer than Retention
+	// commits a row that has already expired). A redelivery within it is skipped; after it the row counts as absent
 	// (whether or not [Coordinator.Sweep] has deleted it) and the message would be handled
 	// again. Make it outlive the broker's retention and its longest redelivery horizon. At
 	// least [Config.MinTTL], otherwise [*InvalidTTLError]. Default [InboxRetentionDefault]
@@ -40,9 +41,12 @@ type InboxOpts struct {
 	// Payload is stored in the row's payload column (jsonb) for inspection with SQL; it is
 	// never read back by pgidem. It must be JSON that jsonb accepts, which is stricter than
 	// [encoding/json.Valid]: valid UTF-8 throughout, no \u0000 escape, no unpaired UTF-16
-	// surrogate escape (\ud800 alone), and numbers within Postgres's numeric range (at
-	// most 131072 digits before the decimal point and 16383 after it, exponent included);
-	// and it must be at most [Config.MaxValueBytes] bytes (16 MiB by default).
+	// surrogate escape (\ud800 alone), numbers within Postgres's numeric range (at
+	// most 131072 digits before the decimal point and 16383 after it, exponent included),
+	// and nesting at most 10000 levels deep (encoding/json's limit, which pgidem's check
+	// uses); and it must be at most [Config.MaxValueBytes] bytes (16 MiB by default). The
+	// database must use the UTF8 encoding (as pgidem needs for keys and results too):
+	// in another, a character it cannot represent fails the statement as a *StoreError.
 	// A payload that breaks a rule returns an error matching [ErrInvalidPayload] before the
 	// transaction is touched, so it stays usable and the handler does not run; record
 	// without a payload (or with a sanitised one) to handle such a message. Default nil:
@@ -390,9 +394,13 @@ func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op str
 // runs nothing.
 //
 // fn's writes must go through its tx to be exactly-once; an effect outside the database
-// (a mail) needs [Do] inside fn, keyed by the effect; Do takes a second connection from
-// the pool while InboxHandle holds one, so size the pool above the number of concurrent
-// handlers. Cancelling ctx ends the current statement (pgx may close the connection) and
+// (a mail) needs [Do] inside fn, keyed by the effect. Do takes a second connection from
+// the pool while InboxHandle holds one: size the pool above the number of concurrent
+// handlers, twice that so that none waits. With no connection to spare the handlers wait
+// on each other: Do's reservation until ctx ends, and a finishing write that gets no
+// connection within [Config.FinishTimeout] fails ([ErrStoreUnavailable]), leaving the
+// record in progress until its lease ends, after which the next delivery runs the effect
+// again. Cancelling ctx ends the current statement (pgx may close the connection) and
 // the transaction rolls back. Safe for concurrent use.
 func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID string, opts *InboxOpts, fn func(ctx context.Context, tx pgx.Tx) error) (handled bool, err error) {
 	if fn == nil {

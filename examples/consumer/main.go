@@ -297,26 +297,31 @@ func (a *app) handle(ctx context.Context, member string, rec *kgo.Record, crashA
 	prefix := fmt.Sprintf("  delivery %d  member %s  offset %d  %s  (%s): ", c.Deliveries, member, rec.Offset, eventID, why)
 
 	var mail pgidem.Result[string]
-	handled, err := a.coord.InboxHandle(ctx, group, eventID, &pgidem.InboxOpts{Payload: rec.Value},
-		func(ctx context.Context, tx pgx.Tx) error {
-			if _, err := tx.Exec(ctx, `INSERT INTO ledger (order_id, amount_cents, event_id) VALUES ($1, $2, $3)`,
-				ev.Order, ev.AmountCents, eventID); err != nil {
-				return err
-			}
-			var err error
-			mail, err = pgidem.DoResult(ctx, a.coord, "mail", ev.Order+".invoice", mailTTL, nil,
-				func(ctx context.Context) (string, error) {
-					_, key, _ := pgidem.KeyFromContext(ctx)
-					return a.mailer.sendInvoice(ev.Order, key), nil
-				})
-			if err != nil {
-				return err
-			}
-			if crashAfterMail {
-				return errCrash
-			}
-			return nil
-		})
+	handle := func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `INSERT INTO ledger (order_id, amount_cents, event_id) VALUES ($1, $2, $3)`,
+			ev.Order, ev.AmountCents, eventID); err != nil {
+			return err
+		}
+		var err error
+		mail, err = pgidem.DoResult(ctx, a.coord, "mail", ev.Order+".invoice", mailTTL, nil,
+			func(ctx context.Context) (string, error) {
+				_, key, _ := pgidem.KeyFromContext(ctx)
+				return a.mailer.sendInvoice(ev.Order, key), nil
+			})
+		if err != nil {
+			return err
+		}
+		if crashAfterMail {
+			return errCrash
+		}
+		return nil
+	}
+	handled, err := a.coord.InboxHandle(ctx, group, eventID, &pgidem.InboxOpts{Payload: rec.Value}, handle)
+	if errors.Is(err, pgidem.ErrInvalidPayload) {
+		// JSON that jsonb refuses (a \u0000 in a string, say) would fail every delivery:
+		// record the message without its payload.
+		handled, err = a.coord.InboxHandle(ctx, group, eventID, nil, handle)
+	}
 	mailNote := ""
 	switch {
 	case mail.Value == "":

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"strings"
-	"unicode"
 	"unicode/utf8"
 
 	"github.com/spf13/cobra"
@@ -36,6 +35,10 @@ type app struct {
 	databaseURL string
 	schema      string
 	json        bool
+
+	// changed says what a command that changes data did, once it has done it ("records
+	// forget deleted the record"), for the message when its output is lost.
+	changed string
 
 	// started is set when a command's action begins. Errors returned before that come from
 	// cobra's parsing (unknown command or flag, bad value, wrong arguments): usage errors.
@@ -67,7 +70,9 @@ func interruptedf(format string, args ...any) *interruptedError {
 // outWriter is standard output as the commands see it. It remembers the first failed write
 // and refuses every later one, so a command cannot lose its output without a word: run
 // reports the failure ("write output: …", exit 1) once the command is done, whichever
-// command wrote (cobra's help included).
+// command wrote (cobra's help included), and says whether the command itself succeeded. A
+// closed pipe never gets here: the Go runtime ends the process with SIGPIPE on a write to
+// a broken pipe on standard output, as other Unix commands end.
 type outWriter struct {
 	w   io.Writer
 	err error
@@ -104,11 +109,17 @@ func run(ctx context.Context, args []string, e *env) int {
 	switch {
 	case err == nil && out.err == nil:
 		return exitOK
-	case err == nil:
-		// The command (or cobra's help) succeeded, but its output was lost.
-		fmt.Fprintln(a.stderr, oneLine(writeError(out.err).Error()))
+	case out.err != nil && (err == nil || errors.Is(err, out.err)):
+		// The command (or cobra's help) succeeded, but its output was lost (a command
+		// writes its result last, and returns the write error it gets, if any). Say that
+		// it succeeded, lest a forget, a sweep or a migration be taken for not done.
+		msg := writeError(out.err).Error() + "; the command itself succeeded"
+		if a.changed != "" {
+			msg += " (" + a.changed + ")"
+		}
+		fmt.Fprintln(a.stderr, oneLine(msg))
 		return exitFailure
-	case out.err != nil && !errors.Is(err, out.err):
+	case out.err != nil:
 		// The command failed, and writing its output failed too: say both.
 		err = fmt.Errorf("%w (and write output: %w)", err, out.err)
 	}
@@ -195,11 +206,13 @@ func checkText(name, value string) error {
 }
 
 // checkKeyPart returns a usage error when value, the namespace, key, consumer or message id
-// called name, cannot be one pgidem stores: the library refuses an empty one and one with a
-// control character (tab, newline, NUL, …) or invalid UTF-8 (pgidem.ErrInvalidKey), so no
-// record or inbox row has one. The library's length limits are not checked: they are the
-// application's configuration (pgidem.Config.MaxKeyBytes, MaxNamespaceBytes), which the
-// CLI does not know.
+// called name, cannot be in a row: it is empty (the columns refuse it), or it has a NUL byte
+// or invalid UTF-8, which Postgres text cannot hold (see checkText). A control character
+// (tab, newline, …) is accepted: the library never stores one (pgidem.ErrInvalidKey), but
+// rows inserted with SQL can have one, and the tables show it quoted ("order\t9") so that
+// show and forget can be given it. The library's length limits are not checked either: they
+// are the application's configuration (pgidem.Config.MaxKeyBytes, MaxNamespaceBytes), which
+// the CLI does not know.
 func checkKeyPart(name, value string) error {
 	if value == "" {
 		return usagef("%s must not be empty", name)
@@ -209,13 +222,7 @@ func checkKeyPart(name, value string) error {
 
 // checkFilter is [checkKeyPart] for a filter flag, whose empty value the caller handles.
 func checkFilter(name, value string) error {
-	if err := checkText(name, value); err != nil {
-		return err
-	}
-	if strings.IndexFunc(value, unicode.IsControl) >= 0 {
-		return usagef("%s %q contains a control character, which pgidem never stores", name, value)
-	}
-	return nil
+	return checkText(name, value)
 }
 
 // group returns the RunE of a command that only holds subcommands: run without one, it is

@@ -7,11 +7,13 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"os/exec"
 	"regexp"
 	"runtime"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -773,19 +775,13 @@ func TestUsage(t *testing.T) {
 			`pgidem: --river-schema "` + strings.Repeat("q", 64) + `" is 64 bytes long; Postgres truncates identifiers to 63 bytes (see 'pgidem migrate up --help')`},
 		{"ShowKeyNotUTF8", []string{"records", "show", "invoices", "order-\xff"}, `pgidem: KEY "order-\xff" is not valid UTF-8 (see 'pgidem records show --help')`},
 		{"ForgetNamespaceNotUTF8", []string{"records", "forget", "\xfe", "k"}, `pgidem: NAMESPACE "\xfe" is not valid UTF-8 (see 'pgidem records forget --help')`},
-		// Names pgidem refuses to store (pgidem.ErrInvalidKey) are usage errors, not a
-		// missing record.
+		// Names no row can have are usage errors, not a missing record. (A control
+		// character is accepted: see TestControlCharacters.)
 		{"ForgetEmptyArgs", []string{"records", "forget", "", ""}, "pgidem: NAMESPACE must not be empty (see 'pgidem records forget --help')"},
 		{"ShowEmptyKey", []string{"records", "show", "invoices", ""}, "pgidem: KEY must not be empty (see 'pgidem records show --help')"},
-		{"ForgetKeyTab", []string{"records", "forget", "invoices", "order\t9"},
-			`pgidem: KEY "order\t9" contains a control character, which pgidem never stores (see 'pgidem records forget --help')`},
-		{"ShowNamespaceNewline", []string{"records", "show", "in\nvoices", "k"},
-			`pgidem: NAMESPACE "in\nvoices" contains a control character, which pgidem never stores (see 'pgidem records show --help')`},
 		{"InboxShowEmptyConsumer", []string{"inbox", "show", "", "m-1"}, "pgidem: CONSUMER must not be empty (see 'pgidem inbox show --help')"},
-		{"InboxForgetMessageIDTab", []string{"inbox", "forget", "billing", "m\t1"},
-			`pgidem: MESSAGE_ID "m\t1" contains a control character, which pgidem never stores (see 'pgidem inbox forget --help')`},
-		{"NamespaceFilterControl", []string{"records", "list", "--namespace", "a\tb"},
-			`pgidem: --namespace "a\tb" contains a control character, which pgidem never stores (see 'pgidem records list --help')`},
+		{"InboxForgetMessageIDNotUTF8", []string{"inbox", "forget", "billing", "m\xff"}, `pgidem: MESSAGE_ID "m\xff" is not valid UTF-8 (see 'pgidem inbox forget --help')`},
+		{"ConsumerFilterNotUTF8", []string{"inbox", "list", "--consumer", "\xffbilling"}, `pgidem: --consumer "\xffbilling" is not valid UTF-8 (see 'pgidem inbox list --help')`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -1223,6 +1219,11 @@ func TestEmptyFlagValues(t *testing.T) {
 			"pgidem: --database-url must not be empty (omit it to use DATABASE_URL, else libpq's PG* variables) (see 'pgidem migrate down --help')"},
 		{"Schema", []string{"--schema", "", "records", "forget", "invoices", "order-9.invoice"},
 			"pgidem: --schema must not be empty (omit it to use the connection's search_path) (see 'pgidem records forget --help')"},
+		// It used to list every record, where --namespace "" is refused.
+		{"Status", []string{"records", "list", "--status", ""},
+			"pgidem: --status must not be empty (omit it to list every status) (see 'pgidem records list --help')"},
+		{"StatusEquals", []string{"records", "list", "--status="},
+			"pgidem: --status must not be empty (omit it to list every status) (see 'pgidem records list --help')"},
 		{"RiverSchema", []string{"migrate", "up", "--river", "--river-schema", ""},
 			"pgidem: --river-schema must not be empty (omit it to use --schema, else the search_path) (see 'pgidem migrate up --help')"},
 	} {
@@ -1334,7 +1335,118 @@ func TestWriteOutputError(t *testing.T) {
 		line := requireFail(t, r, 1)
 		require.True(t, strings.HasPrefix(line, "pgidem: write output: "), "%v: %s", args, line)
 		require.Contains(t, line, "no space left on device", args)
+		require.Contains(t, line, "; the command itself succeeded", args)
 	}
+}
+
+// A forget or sweep whose output could not be written used to say only "write output: …"
+// (exit 1), as if it had failed, although the delete was done: running it again then
+// reported no record. The message says what the command did.
+func TestWriteOutputErrorAfterChange(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	full, err := os.OpenFile("/dev/full", os.O_WRONLY, 0)
+	if err != nil && runtime.GOOS != "linux" {
+		t.Skipf("no /dev/full on %s: %v", runtime.GOOS, err)
+	}
+	require.NoError(t, err)
+	defer full.Close()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record",
+		fixture{namespace: "invoices", key: "order-9", status: "completed", expiresIn: time.Hour, age: time.Minute},
+		fixture{namespace: "mail", key: "old-1", status: "completed", expiresIn: -2 * time.Hour, age: 30 * time.Hour},
+		fixture{namespace: "mail", key: "old-2", status: "completed", expiresIn: -2 * time.Hour, age: 30 * time.Hour})
+	_, err = db.Pool.Exec(ctx, `INSERT INTO pgidem_inbox (consumer, message_id, expires_at) VALUES ('billing', 'm-1', now() + interval '1 day')`)
+	require.NoError(t, err)
+
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"records", "forget", "invoices", "order-9"}, "records forget deleted the record"},
+		{[]string{"records", "forget", "--json", "mail", "old-1"}, "records forget deleted the record"},
+		{[]string{"inbox", "forget", "billing", "m-1"}, "inbox forget deleted the inbox row"},
+		{[]string{"sweep"}, "sweep deleted 1 expired record and 0 expired inbox rows"},
+	} {
+		r := pgidemOut(t, full, cliEnv(), append([]string{"--database-url", db.URL}, tc.args...)...)
+		line := requireFail(t, r, 1)
+		require.Regexp(t, `^pgidem: write output: .*no space left on device; the command itself succeeded \(`+regexp.QuoteMeta(tc.want)+`\)$`, line, tc.args)
+	}
+	require.Zero(t, countRecords(t, db.Pool, "pgidem_record"))
+	require.Zero(t, countRecords(t, db.Pool, "pgidem_inbox"))
+}
+
+// A closed pipe (pgidem records list | head -1) ends the CLI with SIGPIPE, as it ends
+// other Unix commands; the docs used to say every output that could not be written
+// exited 1.
+func TestClosedPipe(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record", standardFixtures()...)
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	require.NoError(t, r.Close())
+	defer w.Close()
+	cmd := exec.Command(binaryPath, "--database-url", db.URL, "records", "list")
+	cmd.Env = cliEnv()
+	cmd.Stdout = w
+	err = cmd.Run()
+	require.Error(t, err)
+	ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus)
+	require.True(t, ok)
+	require.True(t, ws.Signaled(), "%v", err)
+	require.Equal(t, syscall.SIGPIPE, ws.Signal())
+
+	for _, path := range []string{"../../README.md", "../../docs/inspect.md"} {
+		doc, err := os.ReadFile(path)
+		require.NoError(t, err)
+		text := strings.Join(strings.Fields(string(doc)), " ")
+		require.True(t, strings.Contains(text, "closed pipe (`pgidem records list | head -1`)") &&
+			strings.Contains(text, "SIGPIPE (status 141"), "%s does not say that a closed pipe ends pgidem with SIGPIPE", path)
+	}
+}
+
+// A namespace, key, consumer or message id with a control character cannot be stored by
+// pgidem, but can by SQL; such a row was listed (quoted: "order\t9") but could be neither
+// shown nor forgotten, although the help said to pass it as $'order\t9': the argument
+// check refused it (exit 2). It is accepted now.
+func TestControlCharacters(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record",
+		fixture{namespace: "invoices", key: "order\t9", status: "completed", expiresIn: time.Hour, age: 2 * time.Minute},
+		fixture{namespace: "ops\nteam", key: "k\x01", status: "completed", expiresIn: time.Hour, age: time.Minute})
+	_, err := db.Pool.Exec(ctx, `INSERT INTO pgidem_inbox (consumer, message_id, expires_at) VALUES (E'billing\t', E'm\r1', now() + interval '1 day')`)
+	require.NoError(t, err)
+
+	out := requireOK(t, cli(t, db.URL, "records", "list"))
+	require.Contains(t, out, `invoices     "order\t9"`)
+	require.Contains(t, out, `"ops\nteam"  "k\x01"`)
+
+	out = requireOK(t, cli(t, db.URL, "records", "show", "invoices", "order\t9"))
+	require.Contains(t, out, `key            "order\t9"`+"\n")
+	out = requireOK(t, cli(t, db.URL, "records", "list", "--namespace", "ops\nteam"))
+	require.Contains(t, out, `"k\x01"`)
+	require.NotContains(t, out, "invoices")
+	out = requireOK(t, cli(t, db.URL, "records", "forget", "ops\nteam", "k\x01"))
+	require.Contains(t, out, "deleted:\n")
+	out = requireOK(t, cli(t, db.URL, "records", "forget", "invoices", "order\t9"))
+	require.Contains(t, out, `key            "order\t9"`)
+	require.Zero(t, countRecords(t, db.Pool, "pgidem_record"))
+
+	out = requireOK(t, cli(t, db.URL, "inbox", "list", "--consumer", "billing\t", "--message-id", "m\r1"))
+	require.Contains(t, out, `"billing\t"  "m\r1"`)
+	out = requireOK(t, cli(t, db.URL, "inbox", "show", "billing\t", "m\r1"))
+	require.Contains(t, out, `consumer    "billing\t"`)
+	requireOK(t, cli(t, db.URL, "inbox", "forget", "billing\t", "m\r1"))
+	require.Zero(t, countRecords(t, db.Pool, "pgidem_inbox"))
+
+	// The help and docs/inspect.md say how to pass such a key.
+	require.Contains(t, requireOK(t, cli(t, db.URL, "records", "forget", "--help")), `in bash $'a\tb'`)
+	doc, err := os.ReadFile("../../docs/inspect.md")
+	require.NoError(t, err)
+	require.Contains(t, string(doc), "`$'order\\t9'`")
 }
 
 // --schema naming a schema that does not exist (a typo, or the wrong case: names are
@@ -1509,7 +1621,7 @@ func TestInterrupt(t *testing.T) {
 		p.interrupt(t)
 		r := p.wait(t)
 		require.Equal(t, "pgidem: sweep: interrupted after deleting 0 expired records and 0 expired inbox rows "+
-			"(a batch cut off by the interrupt is rolled back)", requireFail(t, r, 1))
+			"(the batch in flight, if any, was rolled back)", requireFail(t, r, 1))
 		require.NoError(t, tx.Rollback(ctx))
 		require.Equal(t, 1, countRecords(t, db.Pool, "pgidem_record"))
 	})
@@ -1549,6 +1661,91 @@ func TestInterrupt(t *testing.T) {
 		cliWaitingForLock(t, db)
 		p.interrupt(t)
 		require.Equal(t, "pgidem: list records: interrupted", requireFail(t, p.wait(t), 1))
+	})
+}
+
+// When the server does not answer the cancel request of an interrupt (it hangs, or the
+// network dropped it: here a proxy that stops forwarding), the CLI used to wait for it
+// about 18 s (the 3 s grace, then up to 15 s for pgconn to close the broken connection)
+// while swallowing every further Ctrl-C, and sweep said that the batch it cut off was
+// rolled back although a COMMIT the server had received may well complete. It now answers
+// within about the grace, a second Ctrl-C ends it at once, and sweep says the batch may or
+// may not have been deleted.
+func TestInterruptServerSilent(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// setup returns a database with an expired record, a transaction holding lock on it
+	// and a proxy to the database, with a URL through it.
+	setup := func(t *testing.T, lock string) (*testdb.DB, pgx.Tx, *proxy, string) {
+		t.Helper()
+		db := testdb.New(t)
+		insert(t, db.Pool, "pgidem_record",
+			fixture{namespace: "mail", key: "old-1", status: "completed", expiresIn: -2 * time.Hour, age: 30 * time.Hour})
+		tx, err := db.Pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		_, err = tx.Exec(ctx, lock)
+		require.NoError(t, err)
+		p, url := startProxy(t, db.URL)
+		return db, tx, p, url
+	}
+	const forgetLock = "SELECT 1 FROM pgidem_record WHERE namespace = 'mail' AND key = 'old-1' FOR UPDATE"
+
+	t.Run("RecordsForget", func(t *testing.T) {
+		t.Parallel()
+		db, tx, proxy, url := setup(t, forgetLock)
+		p := startCLI(t, url, "records", "forget", "mail", "old-1")
+		cliWaitingForLock(t, db)
+		proxy.freeze()
+		start := time.Now()
+		p.interrupt(t)
+		r := p.wait(t)
+		elapsed := time.Since(start)
+		require.Equal(t, `pgidem: forget record: interrupted before the server answered, so the delete may or may not have been applied `+
+			`(it is one statement, which commits on its own once it has run); check with 'pgidem records show "mail" "old-1"'`, requireFail(t, r, 1))
+		// The grace (3 s) and a bounded close (1 s), not 15 s more for the broken connection.
+		require.Less(t, elapsed, 8*time.Second)
+		// Indeed: the server never got the cancel request, and deletes the record once the
+		// lock is free.
+		require.NoError(t, tx.Rollback(ctx))
+		require.Eventually(t, func() bool { return countRecords(t, db.Pool, "pgidem_record") == 0 }, time.Minute, 10*time.Millisecond)
+	})
+
+	t.Run("SecondSignal", func(t *testing.T) {
+		t.Parallel()
+		db, _, proxy, url := setup(t, forgetLock)
+		p := startCLI(t, url, "records", "forget", "mail", "old-1")
+		cliWaitingForLock(t, db)
+		proxy.freeze()
+		p.interrupt(t)
+		// Within the grace, while the first one is still being handled, a second Ctrl-C
+		// ends the process.
+		require.Equal(t, syscall.SIGINT, p.signalUntilExit(t, os.Interrupt, 2*time.Second), p.stderr.String())
+	})
+
+	t.Run("SweepDuringCommit", func(t *testing.T) {
+		t.Parallel()
+		// The sweep's COMMIT runs a deferred trigger that waits for a lock the test holds,
+		// so the interrupt comes while the server is committing the batch.
+		db, tx, proxy, url := setup(t, "SELECT pg_advisory_xact_lock(4242)")
+		_, err := db.Pool.Exec(ctx, `
+			CREATE FUNCTION wait_at_commit() RETURNS trigger LANGUAGE plpgsql AS
+				$$BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END$$;
+			CREATE CONSTRAINT TRIGGER wait_at_commit AFTER DELETE ON pgidem_record
+				DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION wait_at_commit()`)
+		require.NoError(t, err)
+		p := startCLI(t, url, "sweep")
+		cliWaitingForLock(t, db)
+		proxy.freeze()
+		p.interrupt(t)
+		r := p.wait(t)
+		require.Equal(t, "pgidem: sweep: interrupted after deleting 0 expired records and 0 expired inbox rows; "+
+			"the server did not confirm that the batch in flight, if any, was cancelled, so it may or may not have been deleted too "+
+			"(sweeping again is harmless)", requireFail(t, r, 1))
+		// Indeed: the COMMIT completes once the lock is free.
+		require.NoError(t, tx.Rollback(ctx))
+		require.Eventually(t, func() bool { return countRecords(t, db.Pool, "pgidem_record") == 0 }, time.Minute, 10*time.Millisecond)
 	})
 }
 

@@ -31,6 +31,35 @@ const connectTimeoutDefault = 10 * time.Second
 // unknown.
 const interruptGrace = 3 * time.Second
 
+// interruptCloseWait bounds how long, after an interrupt, closing a pool waits for its
+// connections to close (see closePool).
+const interruptCloseWait = time.Second
+
+// closePool closes pool. Once ctx has ended (an interrupt) it waits at most
+// interruptCloseWait for that: a connection whose server did not answer the cancel request
+// within interruptGrace is closed by pgconn in the background, which waits up to 15 s for
+// the server, and pool.Close waits for it; the message and the exit would come that much
+// later. The process exits soon after closePool returns, and the kernel then closes what
+// is left of the connections.
+func closePool(ctx context.Context, pool *pgxpool.Pool) {
+	closed := make(chan struct{})
+	go func() {
+		defer close(closed)
+		pool.Close()
+	}()
+	select {
+	case <-closed:
+		return
+	case <-ctx.Done():
+	}
+	timer := time.NewTimer(interruptCloseWait)
+	defer timer.Stop()
+	select {
+	case <-closed:
+	case <-timer.C:
+	}
+}
+
 // applicationName is reported to Postgres (pg_stat_activity) unless the connection string
 // sets application_name.
 const applicationName = "pgidem-cli"
@@ -106,7 +135,7 @@ func (a *app) connectPool(ctx context.Context) (*pgxpool.Pool, error) {
 		return nil, connectError(ctx, cfg.ConnConfig, source, err)
 	}
 	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
+		closePool(ctx, pool)
 		return nil, connectError(ctx, cfg.ConnConfig, source, err)
 	}
 	return pool, nil

@@ -134,7 +134,9 @@ delivery of the message runs its handler again: use it to reprocess a message by
 after an incident. What the handler committed with the row stays; the next run adds to it.
 A handler running right now has not committed its row yet, so the delete does not see it
 (no inbox row): try again once it has. Interrupted (Ctrl-C), it says whether anything was
-deleted, as records forget does.`,
+deleted, as records forget does.
+
+` + quotingNote,
 		Example: "  pgidem inbox forget billing msg-42",
 		Args:    messageArgs,
 		RunE: a.action(func(cmd *cobra.Command, args []string) error {
@@ -143,6 +145,7 @@ deleted, as records forget does.`,
 				if err != nil {
 					return err
 				}
+				a.changed = "inbox forget deleted the inbox row"
 				return a.printFound(r, true, func(w io.Writer) error { return printInboxRow(w, r) })
 			})
 		}),
@@ -243,8 +246,13 @@ func (s *store) inboxShow(ctx context.Context, consumer, messageID string) (*inb
 }
 
 func (s *store) inboxForget(ctx context.Context, consumer, messageID string) (*inboxRow, error) {
+	conn, err := s.acquireToDelete(ctx, "forget inbox row")
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Release()
 	query := "DELETE FROM " + s.inbox + " i WHERE i.consumer = $1 AND i.message_id = $2 RETURNING " + inboxColumns
-	r, err := scanInboxRow(s.pool.QueryRow(ctx, query, consumer, messageID))
+	r, err := scanInboxRow(conn.QueryRow(ctx, query, consumer, messageID))
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("%w; nothing deleted", errNoInboxRow(consumer, messageID))
 	}

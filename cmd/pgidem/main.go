@@ -40,20 +40,24 @@
 // Results go to standard output as aligned tables, or as JSON with --json (<, > and &
 // written as they are). In tables a namespace, key, consumer or message id with white
 // space, a quote or a character that does not print (and "" and "-") is quoted in Go
-// syntax, so "order-9 " and "order-9" differ; show and forget take it unquoted. Errors go
-// to standard error as one line starting with "pgidem: ". The exit code is 0 on success, 1
-// when the command failed (including an unreachable or unparsable database address, a
-// missing record, a refused forget, or output that could not be written), and 2 for a
-// usage error: an unknown command or flag, a malformed or empty flag value, or wrong
-// arguments (a namespace or key pgidem would refuse: empty, not UTF-8, with a control
-// character).
+// syntax, so "order-9 " and "order-9" differ; show and forget take it unquoted (a key
+// with a control character, which only SQL can store, is shown as "order\t9": pass it in
+// bash as $'order\t9'). Errors go to standard error as one line starting with "pgidem: ".
+// The exit code is 0 on success, 1 when the command failed (including an unreachable or
+// unparsable database address, a missing record, or a refused forget) or its output could
+// not be written (a full disk, say: the message then says whether the command itself
+// succeeded), and 2 for a usage error: an unknown command or flag, a malformed or empty
+// flag value, or wrong arguments (an empty namespace or key, or one that is not valid
+// UTF-8, which no row can hold). Like other Unix commands, pgidem writing to a closed pipe
+// (pgidem records list | head -1) is ended by SIGPIPE (exit status 141 in the shell).
 //
 // # Interrupts
 //
 // SIGINT (Ctrl-C) or SIGTERM stops the command, which says "interrupted" and what it
 // interrupted. The statement in flight is cancelled on the server, whose answer (awaited
-// for up to a few seconds) tells forget and sweep what they deleted: a cancelled forget
-// deleted nothing.
+// for up to 3 seconds) tells forget and sweep what they deleted: a cancelled forget
+// deleted nothing. Without an answer the outcome is unknown, and the message says so. A
+// second SIGINT or SIGTERM ends the process at once, without a word.
 package main
 
 import (
@@ -65,6 +69,13 @@ import (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	go func() {
+		// The first signal ends ctx, and the command winds down (up to interruptGrace and
+		// interruptCloseWait). Restore the default handling at once, so that a second
+		// Ctrl-C ends the process instead of being swallowed.
+		<-ctx.Done()
+		stop()
+	}()
 	code := run(ctx, os.Args[1:], &env{
 		stdout: os.Stdout,
 		stderr: os.Stderr,

@@ -6,10 +6,14 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -162,6 +166,38 @@ func (p *process) interrupt(t *testing.T) {
 	require.NoError(t, p.cmd.Process.Signal(os.Interrupt))
 }
 
+// signalUntilExit sends the process sig every 50 ms until it exits, for at most d, and
+// returns the signal that ended it, or nil when it exited by itself (or is still running).
+// The first signals may come before the process stops catching them: they are not lost
+// on the test.
+func (p *process) signalUntilExit(t *testing.T, sig os.Signal, d time.Duration) os.Signal {
+	t.Helper()
+	exited := make(chan struct{})
+	go func() {
+		defer close(exited)
+		for range p.lines { // standard error must be read to its end before Wait
+		}
+		_ = p.cmd.Wait()
+	}()
+	deadline := time.After(d)
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-exited:
+			if ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+				return ws.Signal()
+			}
+			return nil
+		case <-deadline:
+			<-exited
+			return nil
+		case <-tick.C:
+			_ = p.cmd.Process.Signal(sig) // fails once the process has exited
+		}
+	}
+}
+
 // wait waits for the process to exit and returns what it produced.
 func (p *process) wait(t *testing.T) result {
 	t.Helper()
@@ -175,6 +211,116 @@ func (p *process) wait(t *testing.T) result {
 		code = exitErr.ExitCode()
 	}
 	return result{code: code, stdout: p.stdout.String(), stderr: p.stderr.String()}
+}
+
+// proxy forwards TCP connections to a Postgres server until frozen; then, like a server
+// that stopped answering (or a network that dropped it), it forwards nothing more either
+// way and leaves new connections (cancel requests) unanswered, keeping every connection
+// open until the test ends.
+type proxy struct {
+	ln     net.Listener
+	target string
+	frozen chan struct{}
+	freeze func()
+	closed chan struct{}
+	wg     sync.WaitGroup
+
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+// startProxy returns a proxy to the server of url (a postgres:// URL) and url rewritten to
+// go through it.
+func startProxy(t *testing.T, rawURL string) (*proxy, string) {
+	t.Helper()
+	u, err := url.Parse(rawURL)
+	require.NoError(t, err)
+	target := u.Host
+	if u.Port() == "" {
+		target = net.JoinHostPort(u.Hostname(), "5432")
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	p := &proxy{ln: ln, target: target, frozen: make(chan struct{}), closed: make(chan struct{})}
+	p.freeze = sync.OnceFunc(func() { close(p.frozen) })
+	p.wg.Add(1)
+	go p.accept()
+	t.Cleanup(func() {
+		ln.Close()
+		close(p.closed)
+		p.mu.Lock()
+		for _, c := range p.conns {
+			c.Close()
+		}
+		p.mu.Unlock()
+		p.wg.Wait()
+	})
+	u.Host = ln.Addr().String()
+	return p, u.String()
+}
+
+// track remembers c, to be closed when the test ends.
+func (p *proxy) track(c net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.conns = append(p.conns, c)
+	select {
+	case <-p.closed:
+		c.Close() // the test has ended
+	default:
+	}
+}
+
+func (p *proxy) accept() {
+	defer p.wg.Done()
+	for {
+		client, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		p.track(client)
+		select {
+		case <-p.frozen:
+			continue // held, unanswered
+		default:
+		}
+		server, err := net.Dial("tcp", p.target)
+		if err != nil {
+			client.Close()
+			continue
+		}
+		p.track(server)
+		p.wg.Add(2)
+		go p.pipe(server, client)
+		go p.pipe(client, server)
+	}
+}
+
+// pipe copies from src to dst until src ends (then closes dst) or the proxy is frozen
+// (then drops what it reads, and closes nothing).
+func (p *proxy) pipe(dst, src net.Conn) {
+	defer p.wg.Done()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		select {
+		case <-p.frozen:
+			if err != nil {
+				return
+			}
+			continue
+		default:
+		}
+		if n > 0 {
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			dst.Close()
+			return
+		}
+	}
 }
 
 // cli runs the binary against url with args.

@@ -142,6 +142,9 @@ two deploys migrating River at once would otherwise race. River's tables go to
 			if err != nil {
 				return err
 			}
+			if len(results) > 0 {
+				a.changed = "migrate up applied " + count(len(results), "migration", "migrations")
+			}
 			err = a.withProviderDB(ctx, db, func(p *goose.Provider) error {
 				version, _, err := p.GetVersions(ctx) // no lock: a deploy may be migrating
 				if err != nil {
@@ -190,7 +193,7 @@ func (a *app) migrateRiver(ctx context.Context, schema string) ([]riverMigration
 	if err != nil {
 		return nil, err
 	}
-	defer pool.Close()
+	defer closePool(ctx, pool)
 	res, err := pgidemriver.MigrateRiver(ctx, pool, &pgidemriver.MigrateOpts{Schema: schema})
 	applied := []riverMigrationJSON{}
 	if res != nil {
@@ -281,6 +284,9 @@ refused, naming the tables and their row counts, unless --force is given.`,
 				}
 				a.printMigrations("rolled back", results)
 				return err
+			}
+			if len(results) > 0 {
+				a.changed = "migrate down rolled back " + count(len(results), "migration", "migrations")
 			}
 			if verr != nil {
 				return fmt.Errorf("pgidem: migrate down: read version: %w", verr)
@@ -449,7 +455,7 @@ func (a *app) otherInstalls(ctx context.Context, db *sql.DB) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer pool.Close()
+	defer closePool(ctx, pool)
 	schemas, err := otherInstalls(ctx, pool)
 	if err != nil {
 		return nil, fmt.Errorf("pgidem: look for pgidem in other schemas: %w", err)
@@ -540,7 +546,7 @@ func (a *app) requireSchema(ctx context.Context, op string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(ctx, pool)
 	return newStore(pool, a.schema).missingSchema(ctx, op)
 }
 
@@ -551,7 +557,7 @@ func (a *app) schemaAndOtherInstalls(ctx context.Context) (exists bool, elsewher
 	if err != nil {
 		return false, nil, err
 	}
-	defer pool.Close()
+	defer closePool(ctx, pool)
 	s := newStore(pool, a.schema)
 	if exists, err = s.schemaExists(ctx); err != nil {
 		return false, nil, fmt.Errorf("pgidem: look for schema %q: %w", a.schema, err)

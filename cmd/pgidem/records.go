@@ -62,7 +62,8 @@ func keyArgs(cmd *cobra.Command, args []string) error {
 const quotingNote = `In table output a namespace or key (consumer, message id) with white space, a quote, or a
 character that does not print is shown quoted in Go syntax ("order-9 ", "a\tb"), as are
 "" and "-"; pass it to show and forget unquoted, as the shell gives it (in bash $'a\tb'
-for escapes). --json output always has the exact text.`
+for escapes: pgidem never stores a control character such as a tab, but a row inserted
+with SQL can have one). --json output always has the exact text.`
 
 func (a *app) recordsListCommand() *cobra.Command {
 	var p listParams
@@ -87,6 +88,10 @@ record's result and error (the table leaves them out, and does not read them).
   pgidem records list --expired --json`,
 		Args: cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
+			if cmd.Flags().Changed("status") && p.status == "" {
+				// An empty variable ("--status $STATUS") must not silently list everything.
+				return usagef("--status must not be empty (omit it to list every status)")
+			}
 			if p.status != "" && !validStatus(p.status) {
 				return usagef("--status must be one of %s, got %q", statusValues, p.status)
 			}
@@ -186,7 +191,9 @@ at the same moment is never deleted without --force.
 
 Interrupted (Ctrl-C), it asks the server to cancel the delete and says whether anything
 was deleted; only when the server does not answer within a few seconds is that unknown,
-and the message says how to check.`,
+and the message says how to check.
+
+` + quotingNote,
 		Example: "  pgidem records forget invoices order-9.invoice\n  pgidem records forget invoices -- -order-9   # a key starting with '-'",
 		Args:    keyArgs,
 		RunE: a.action(func(cmd *cobra.Command, args []string) error {
@@ -195,6 +202,7 @@ and the message says how to check.`,
 				if err != nil {
 					return err
 				}
+				a.changed = "records forget deleted the record"
 				if r.live() {
 					fmt.Fprintln(a.stderr, "pgidem: warning: the record was in progress under a live lease; its holder may still be running the effect, and the next call with the key runs it again beside it")
 				}

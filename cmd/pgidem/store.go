@@ -54,7 +54,7 @@ func (a *app) withStore(ctx context.Context, fn func(*store) error) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(ctx, pool)
 	return fn(newStore(pool, a.schema))
 }
 
@@ -435,8 +435,13 @@ SELECT false, ` + recordColumns + ` FROM target r WHERE NOT EXISTS (SELECT 1 FRO
 // forget deletes the record for (namespace, key) and returns it. It refuses a record in
 // progress under a live lease unless force is true.
 func (s *store) forget(ctx context.Context, namespace, key string, force bool) (*record, error) {
+	conn, err := s.acquireToDelete(ctx, "forget record")
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Release()
 	var deleted bool
-	r, err := scanRecord(s.pool.QueryRow(ctx, fmt.Sprintf(forgetSQL, s.table), namespace, key, force), &deleted)
+	r, err := scanRecord(conn.QueryRow(ctx, fmt.Sprintf(forgetSQL, s.table), namespace, key, force), &deleted)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("%w; nothing deleted", errNoRecord(namespace, key))
 	}
@@ -456,11 +461,29 @@ func (s *store) forget(ctx context.Context, namespace, key string, force bool) (
 	return nil, fmt.Errorf("pgidem: namespace %q key %q changed while it was being forgotten (its holder renewed or took over the lease); nothing deleted; run the command again", namespace, key)
 }
 
+// acquireToDelete takes a connection from the pool for a delete (op). It fails before the
+// delete is sent, so an interrupt here (a bare context.Canceled from the pool, which
+// [interruptedDelete] could not tell from a statement the server did not answer) is
+// reported as having deleted nothing.
+func (s *store) acquireToDelete(ctx context.Context, op string) (*pgxpool.Conn, error) {
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, interruptedf("pgidem: %s: interrupted; nothing was deleted", op)
+		}
+		return nil, s.translate(ctx, op, err)
+	}
+	return conn, nil
+}
+
 // interruptedDelete returns the error of a delete (op, one statement) that failed after an
 // interrupt, saying what is known of it, or nil when ctx has not ended. The CLI's
 // connections ask the server to cancel the statement and wait for its answer (see
 // interruptGrace): a cancelled statement, like one never sent, deleted nothing; without an
-// answer the outcome is unknown, and check says how to find it out.
+// answer the outcome is unknown, and check says how to find it out. pgconn reports a
+// statement the server did not answer in time as a bare context.Canceled, as the pool
+// reports an interrupted Acquire: the delete's connection is therefore acquired apart
+// ([store.acquireToDelete]), so that err comes from the statement.
 func interruptedDelete(ctx context.Context, op string, err error, check string) error {
 	if ctx.Err() == nil {
 		return nil

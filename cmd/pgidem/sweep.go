@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/spf13/cobra"
 
 	"github.com/pgidem/pgidem/pgidem"
@@ -14,6 +16,22 @@ type sweepJSON struct {
 	Records int64 `json:"records"`
 	// Inbox is null when the database has no inbox table.
 	Inbox *int64 `json:"inbox"`
+}
+
+// sweepInterrupted reports a sweep that err, after an interrupt, ended once it had deleted
+// what deleted says. Each batch is a transaction of its own, and the earlier ones stay
+// deleted. The batch in flight was rolled back when the server answered the cancel request
+// (the statement, or the COMMIT's deferred work, was cancelled) or when the statement was
+// never sent. Without an answer within interruptGrace (pgconn then reports a bare
+// context.Canceled, as the pool does for an interrupted Acquire, between batches) nothing
+// is known of it: a COMMIT the server had received may have completed.
+func sweepInterrupted(err error, deleted string) error {
+	var pgErr *pgconn.PgError
+	if pgconn.SafeToRetry(err) || (errors.As(err, &pgErr) && pgErr.Code == pgerrcode.QueryCanceled) {
+		return interruptedf("pgidem: sweep: interrupted after deleting %s (the batch in flight, if any, was rolled back)", deleted)
+	}
+	return interruptedf("pgidem: sweep: interrupted after deleting %s; the server did not confirm that the batch in flight, "+
+		"if any, was cancelled, so it may or may not have been deleted too (sweeping again is harmless)", deleted)
 }
 
 func (a *app) sweepCommand() *cobra.Command {
@@ -29,8 +47,10 @@ the rows instead of blocking each other. It runs pgidem.Coordinator.Sweep.
 
 A database without the inbox table (its migration was not applied) only has its records
 swept; --json then reports "inbox": null, as stats does. When the sweep fails part way,
-or is interrupted (Ctrl-C: the batch it is running is cancelled and rolled back), the
-error says how many rows it had deleted.`,
+or is interrupted, the error says how many rows it had deleted. Interrupted (Ctrl-C),
+it asks the server to cancel the batch it is running, which is then rolled back; only
+when the server does not answer within a few seconds is that batch's fate unknown (it
+may have been deleted), and the message says so. Sweeping again is harmless.`,
 		Example: "  pgidem sweep --batch-size 5000\n  # crontab: */10 * * * * pgidem sweep --database-url ...",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
@@ -46,7 +66,7 @@ error says how many rows it had deleted.`,
 			if err != nil {
 				return err
 			}
-			defer pool.Close()
+			defer closePool(ctx, pool)
 			coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{Schema: a.schema})
 			if err != nil {
 				return err
@@ -58,9 +78,7 @@ error says how many rows it had deleted.`,
 			deleted := count(res.Records, "expired record", "expired records") + " and " +
 				count(res.Inbox, "expired inbox row", "expired inbox rows")
 			if err != nil && ctx.Err() != nil {
-				// Each batch is a transaction of its own: the one the interrupt cut off
-				// (the server cancels its statement) is rolled back, the earlier ones stay.
-				return interruptedf("pgidem: sweep: interrupted after deleting %s (a batch cut off by the interrupt is rolled back)", deleted)
+				return sweepInterrupted(err, deleted)
 			}
 			// inbox is nil when the database has no inbox table, as in stats.
 			inbox := &res.Inbox
@@ -86,6 +104,10 @@ error says how many rows it had deleted.`,
 			}
 			if err != nil {
 				return err
+			}
+			a.changed = "sweep deleted " + deleted
+			if inbox == nil {
+				a.changed = "sweep deleted " + count(res.Records, "expired record", "expired records")
 			}
 			if a.json {
 				return printJSON(a.stdout, sweepJSON{Records: res.Records, Inbox: inbox})

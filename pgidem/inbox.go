@@ -397,10 +397,10 @@ func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op str
 // (a mail) needs [Do] inside fn, keyed by the effect. Do takes a second connection from
 // the pool while InboxHandle holds one: size the pool above the number of concurrent
 // handlers, twice that so that none waits. With no connection to spare the handlers wait
-// on each other: Do's reservation until ctx ends, and a finishing write that gets no
-// connection within [Config.FinishTimeout] fails ([ErrStoreUnavailable]), leaving the
-// record in progress until its lease ends, after which the next delivery runs the effect
-// again. Cancelling ctx ends the current statement (pgx may close the connection) and
+// on each other, and a Do that gets no connection within [Config.FinishTimeout] fails
+// with an [ErrStoreUnavailable] error saying so (or ends with ctx, if that comes first):
+// before the effect, nothing ran; after it, the record stays in progress until its lease
+// ends, and the next delivery runs the effect again. Cancelling ctx ends the current statement (pgx may close the connection) and
 // the transaction rolls back. Safe for concurrent use.
 func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID string, opts *InboxOpts, fn func(ctx context.Context, tx pgx.Tx) error) (handled bool, err error) {
 	if fn == nil {

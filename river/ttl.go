@@ -141,7 +141,7 @@ func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []
 		m.config.Logger.WarnContext(ctx, "pgidemriver: record TTL is shorter than River's redelivery horizon; "+
 			"a late retry or a job retried by hand would run the effect again",
 			slog.String("job_kind", kind), slog.Duration("ttl", ttl), slog.Int("max_attempts", maxAttempts),
-			slog.Duration("rescue", rescue), slog.Duration("retries", retries.Round(time.Second)),
+			slog.Duration("rescue", rescue), slog.Duration("retries", retries.Round(time.Minute)),
 			slog.Duration("discarded_retention", retention), slog.Duration("completed_retention", completed),
 			slog.String("horizon", horizonText))
 	}

@@ -69,20 +69,10 @@ func cliEnv(extra ...string) []string {
 // pgidemEnv runs the binary with args and the given extra environment.
 func pgidemEnv(t *testing.T, env []string, args ...string) result {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, binaryPath, args...)
-	cmd.Env = env
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	err := cmd.Run()
-	code := 0
-	if err != nil {
-		exitErr, ok := err.(*exec.ExitError)
-		require.True(t, ok, "run pgidem %v: %v", args, err)
-		code = exitErr.ExitCode()
-	}
-	return result{code: code, stdout: stdout.String(), stderr: stderr.String()}
+	var stdout bytes.Buffer
+	r := pgidemOut(t, &stdout, env, args...)
+	r.stdout = stdout.String()
+	return r
 }
 
 // pgidemOut runs the binary with args, the given extra environment and stdout as its

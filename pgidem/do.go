@@ -301,7 +301,11 @@ func (c *Coordinator) acquire(ctx context.Context, cl *call) (acquisition, error
 			// holders waiting on each other) fails the call instead of blocking it for
 			// as long as ctx allows, which may be for ever.
 			pctx, cancel := context.WithTimeout(ctx, c.config.FinishTimeout)
-			err = c.pool.QueryRow(pctx, c.sql.probe, cl.namespace, cl.key).Scan(r.probeTargets()...)
+			var conn *pgxpool.Conn
+			if conn, err = c.poolConn(pctx); err == nil {
+				err = conn.QueryRow(pctx, c.sql.probe, cl.namespace, cl.key).Scan(r.probeTargets()...)
+				conn.Release()
+			}
 			cancel()
 			// The store answered. From here on a failure is not "unreachable": the
 			// reserving insert may be blocked behind another transaction's uncommitted
@@ -573,7 +577,7 @@ func (c *Coordinator) detachedConn(ctx context.Context, mustFinish bool) (wctx c
 		actx, cancelWait = context.WithDeadline(ctx, deadline)
 		defer cancelWait()
 	}
-	conn, err = c.pool.Acquire(actx)
+	conn, err = c.poolConn(actx)
 	switch {
 	case err == nil:
 		return wctx, cancel, conn, nil
@@ -587,6 +591,19 @@ func (c *Coordinator) detachedConn(ctx context.Context, mustFinish bool) (wctx c
 	}
 	cancel()
 	return nil, nil, nil, &notHeldError{err: err}
+}
+
+// poolConn acquires a connection of the pool. When ctx's deadline passes first, the error
+// says that no connection became free, since the usual cause is the application's (calls
+// holding connections while they call pgidem), not the server's.
+func (c *Coordinator) poolConn(ctx context.Context) (*pgxpool.Conn, error) {
+	conn, err := c.pool.Acquire(ctx)
+	if err != nil && errors.Is(err, context.DeadlineExceeded) {
+		err = fmt.Errorf("%w (waiting for a connection: none of the pool's %d became free in time; size the pool "+
+			"above the calls that hold a connection while they call pgidem, such as InboxHandle or DoTx "+
+			"transactions calling Do)", err, c.pool.Stat().MaxConns())
+	}
+	return conn, err
 }
 
 // keepReservation readies a reservation just made (r) for fn, on held, the connection it
@@ -769,15 +786,6 @@ func (c *Coordinator) reportStoreError(ctx context.Context, namespace string, er
 		// connection whose query was cut off, and the next statement finds it closed).
 		return fmt.Errorf("%w (then %s failed: %w)", ctxErr, se.Op, se.Err)
 	}
-	if errors.As(err, &se) && errors.Is(se.Err, context.DeadlineExceeded) {
-		if st := c.pool.Stat(); st.AcquiredConns() >= st.MaxConns() {
-			// Most likely the statement never got a connection: say so, since the usual
-			// cause is the application's, not the server's.
-			se.Err = fmt.Errorf("%w (all %d connections of the pool were in use: size the pool above the "+
-				"calls that hold a connection while they call pgidem, such as InboxHandle or DoTx transactions calling Do)",
-				se.Err, st.MaxConns())
-		}
-	}
 	if errors.Is(err, ErrStoreUnavailable) {
 		c.config.Logger.LogAttrs(ctx, slog.LevelError, "pgidem: store error", append(attrs, slog.String("error", err.Error()))...)
 		c.emit(ctx, EventStoreError, namespace, 1)
@@ -873,6 +881,9 @@ func (c *Coordinator) run(ctx context.Context, cl *call, owner pgtype.UUID, leas
 		finishErr = c.complete(ctx, cl, owner, StatusFailed, nil, failure)
 	}
 	if panicked != nil {
+		if finishErr == errFinishNoRow {
+			c.leaseLost(ctx, cl)
+		}
 		panic(panicked) // a MarshalJSON panic is a bug in the caller's type; the record is stored
 	}
 	switch {
@@ -1018,11 +1029,14 @@ var errFinishNoRow = errors.New("pgidem: reservation no longer owned")
 // attempt's delete) and a *StoreError when the store kept failing (the lease expiry then
 // lets a later delivery decide).
 func (c *Coordinator) finish(ctx context.Context, cl *call, owner pgtype.UUID, op, sql string, extra ...any) error {
-	return c.finishOn(ctx, &heldConn{pool: c.pool}, cl, owner, op, sql, extra...)
+	q := &heldConn{pool: c.pool}
+	defer q.release()
+	return c.finishOn(ctx, q, cl, owner, op, sql, extra...)
 }
 
 // finishOn is finish with its first attempt on q's held connection, if any; a failed
-// attempt gives it back, and later ones run on the pool's.
+// attempt gives it back, and later ones run on connections acquired from the pool (q
+// holds the last one; the caller releases q).
 func (c *Coordinator) finishOn(ctx context.Context, q *heldConn, cl *call, owner pgtype.UUID, op, sql string, extra ...any) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
@@ -1033,7 +1047,12 @@ func (c *Coordinator) finishOn(ctx context.Context, q *heldConn, cl *call, owner
 	maybeApplied := false // an earlier attempt may have reached the server and committed
 	for attempt := 0; ; attempt++ {
 		var tag pgconn.CommandTag
-		tag, err = q.q().Exec(ctx, sql, args...)
+		if q.conn == nil {
+			q.conn, err = c.poolConn(ctx)
+		}
+		if err == nil {
+			tag, err = q.conn.Exec(ctx, sql, args...)
+		}
 		if err != nil {
 			q.release()
 		}

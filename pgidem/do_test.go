@@ -816,13 +816,33 @@ func TestPoolExhaustedFailsAfterFinishTimeout(t *testing.T) {
 			case err := <-done:
 				require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
 				require.ErrorIs(t, err, context.DeadlineExceeded)
-				require.Contains(t, err.Error(), "all 2 connections of the pool were in use")
+				require.Contains(t, err.Error(), "none of the pool's 2 became free in time")
 				require.False(t, ran)
 			case <-time.After(20 * time.Second):
 				t.Fatal("the call still waits for a connection")
 			}
 		})
 	}
+}
+
+// A statement that got its connection and then waited on the server (a table lock held by
+// a migration, say) times out after FinishTimeout without the pool hint: resizing the
+// pool would not help.
+func TestServerWaitIsNotBlamedOnThePool(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	locker := b.begin(t)
+	_, err := locker.Exec(b.ctx, `LOCK TABLE pgidem_record IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	pool := b.newPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	coord := b.newCoordOn(t, pool, &pgidem.Config{FinishTimeout: 300 * time.Millisecond})
+	for _, reserveFirst := range []bool{false, true} {
+		_, err := pgidem.Do(b.ctx, coord, "mail", "k", testTTL, &pgidem.DoOpts{ReserveFirst: reserveFirst},
+			func(context.Context) (int, error) { return 1, nil })
+		require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+		require.NotContains(t, err.Error(), "became free", "ReserveFirst=%v", reserveFirst)
+	}
+	require.NoError(t, locker.Rollback(b.ctx))
 }
 
 // A caller whose context ends while its reserving statement waits on the server (behind an

@@ -182,8 +182,8 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 //     upserted in tx. An expired record behaves exactly like no record.
 //
 // fn runs inside a savepoint of tx and receives it as its tx; fn must not commit or roll it
-// back (a fn that does so and returns nil gets an error matching [ErrInvalidArgument], and
-// nothing is recorded: roll tx back). If fn returns an error, panics, or its value cannot be stored as JSON
+// back (a fn that does gets an error matching [ErrInvalidArgument] and fn's own error, if
+// any; nothing is recorded, and fn's writes may stay in tx: roll tx back). If fn returns an error, panics, or its value cannot be stored as JSON
 // ([ErrResultNotStorable]), DoTx rolls back to the savepoint — fn's writes are undone,
 // nothing is recorded, tx stays usable — and returns the error (a panic continues). A
 // [Permanent] error is different: fn's writes are still undone, but a failed record is
@@ -306,7 +306,10 @@ func DoInTxResult[T any](ctx context.Context, c *Coordinator, namespace, key str
 	if err := ctx.Err(); err != nil {
 		return zero, err
 	}
-	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	// READ WRITE explicitly: a pool whose sessions default to read-only transactions
+	// still records, and a server that refuses writes (a hot standby) fails the BEGIN as
+	// a store error, not as the caller's read-only transaction.
+	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted, AccessMode: pgx.ReadWrite})
 	if err != nil {
 		return zero, c.logStoreError(ctx, cl, storeError("begin", err))
 	}
@@ -646,13 +649,17 @@ func runTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, cl *call, fn f
 
 	c.emit(ctx, EventExecuted, cl.namespace, 1)
 	value, fnErr := fn(withKey(ctx, c.config.Schema, cl.namespace, cl.key, false), sp)
-	if sp.closed && fnErr == nil {
+	if sp.closed {
 		// fn released or rolled back its savepoint itself: nothing can be recorded with
-		// its writes any more (a record written now would stand beside writes undone, or
-		// writes already merged into tx without it).
+		// its writes any more, and they cannot be undone (a release merged them into tx).
+		// Whatever fn returned, the caller must roll tx back.
 		released = true
-		return out, true, invalidArgument("DoTx: fn ended the transaction it was given (Commit or Rollback), which it must not: " +
-			"nothing was recorded; roll tx back")
+		err := fmt.Errorf("pgidem: DoTx: fn ended the transaction it was given (Commit or Rollback), which it must not: "+
+			"nothing was recorded, and fn's writes may be in tx: roll tx back: %w", ErrInvalidArgument)
+		if fnErr != nil {
+			err = fmt.Errorf("%w (fn returned: %w)", err, fnErr)
+		}
+		return out, true, err
 	}
 	if fnErr != nil {
 		var permanent *PermanentError

@@ -298,27 +298,20 @@ func commitRefused(op string, err error) error {
 
 // unusableTx returns the error for a caller's transaction that cannot take pgidem's
 // statement, judged from the error of that statement: one an earlier failed statement
-// aborted (25P02), one already committed or rolled back (pgx.ErrTxClosed), or a read-only
-// one (25006, after which the server has aborted it too). Each matches
-// [ErrInvalidArgument]. nil for any other error.
+// aborted (25P02) or one already committed or rolled back (pgx.ErrTxClosed). Each matches
+// [ErrInvalidArgument]. nil for any other error, a read-only transaction's included: a
+// server that refuses writes (a hot standby after a failover) says so the same way, and
+// that is the store's state, not the caller's mistake.
 func unusableTx(op string, err error) error {
 	var pgErr *pgconn.PgError
 	switch {
 	case errors.Is(err, pgx.ErrTxClosed):
 		return invalidArgument("%s: the transaction was already committed or rolled back", op)
-	case !errors.As(err, &pgErr):
-		return nil
-	case pgErr.Code == sqlstateInFailedTransaction:
+	case errors.As(err, &pgErr) && pgErr.Code == sqlstateInFailedTransaction:
 		return invalidArgument("%s: the transaction was already aborted by a statement that failed before it; roll it back", op)
-	case pgErr.Code == sqlstateReadOnlyTransaction:
-		return invalidArgument("%s: the transaction is read-only, so it cannot hold the row; the server has aborted it: roll it back", op)
 	}
 	return nil
 }
-
-// sqlstateReadOnlyTransaction is read_only_sql_transaction: a write in a read-only
-// transaction.
-const sqlstateReadOnlyTransaction = "25006"
 
 // isSerializationFailure reports whether the server refused a statement because a row it
 // needed changed after its snapshot (serialization_failure, 40001). pgidem's own

@@ -320,9 +320,9 @@ func numericFits(b []byte) (int, bool) {
 // failure (SQLSTATE 40001, returned as a [*StoreError] whose Err is the *pgconn.PgError);
 // retry the transaction. Database errors are returned as a [*StoreError] for op "inbox";
 // roll tx back after one. A tx that cannot take the row returns an error matching
-// [ErrInvalidArgument] instead: one already committed or rolled back, one an earlier
-// failed statement aborted, or a read-only one (the refused statement aborts it: roll it
-// back). A call for the message from within the
+// [ErrInvalidArgument] instead: one already committed or rolled back, or one an earlier
+// failed statement aborted. A read-only tx is refused by the server (a *StoreError, as
+// from a server that refuses writes), which aborts it: roll it back. A call for the message from within the
 // [Coordinator.InboxHandle] fn handling it returns an error matching [ErrInvalidArgument]
 // before tx is touched: on that fn's tx it would report a duplicate (and the caller skip
 // the handler's writes), on another it would wait for the handler's uncommitted row.
@@ -340,17 +340,18 @@ func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, me
 	if tx == nil {
 		return false, invalidArgument("InboxRecordTx: tx is nil")
 	}
-	return c.inboxRecord(ctx, tx, ic)
+	isNew, err := c.inboxRecord(ctx, tx, ic)
+	if txErr := unusableTx("InboxRecordTx", err); txErr != nil {
+		c.emitInvalid(ctx, ic.consumer)
+		return false, txErr
+	}
+	return isNew, err
 }
 
 func (c *Coordinator) inboxRecord(ctx context.Context, db executor, ic *inboxCall) (bool, error) {
 	var inserted bool
 	err := db.QueryRow(ctx, c.sql.inbox.record, ic.consumer, ic.messageID, jsonText(ic.payload),
 		micros(ic.retention)).Scan(&inserted)
-	if txErr := unusableTx("InboxRecordTx", err); txErr != nil {
-		c.emitInvalid(ctx, ic.consumer)
-		return false, txErr
-	}
 	if err != nil {
 		return false, c.inboxStoreError(ctx, ic, "inbox", err)
 	}
@@ -417,7 +418,10 @@ func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID strin
 	if err := ctx.Err(); err != nil {
 		return false, err
 	}
-	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	// READ WRITE explicitly: a pool whose sessions default to read-only transactions
+	// still records, and a server that refuses writes (a hot standby) fails the BEGIN as
+	// a store error.
+	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted, AccessMode: pgx.ReadWrite})
 	if err != nil {
 		return false, c.inboxStoreError(ctx, ic, "begin", err)
 	}

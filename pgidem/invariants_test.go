@@ -521,3 +521,24 @@ func TestCancelledCallerStillFinishesEveryWrite(t *testing.T) {
 		}
 	}
 }
+
+// A holder whose result's MarshalJSON panics after its reservation was deleted (or taken
+// over) under it reports the lost lease before the panic continues, as a holder whose fn
+// panics does.
+func TestMarshalPanicAfterLeaseLostIsReported(t *testing.T) {
+	t.Parallel()
+	var lost atomic.Int64
+	b := setup(t, &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		if e.Kind == pgidem.EventLeaseLost {
+			lost.Add(e.Count)
+		}
+	})})
+	require.PanicsWithValue(t, "MarshalJSON boom", func() {
+		_, _ = pgidem.Do(b.ctx, b.coord, "pay", "k", testTTL, nil, func(ctx context.Context) (reviewMarshal, error) {
+			_, err := b.db.Pool.Exec(ctx, `DELETE FROM pgidem_record`) // an operator's forced forget
+			require.NoError(t, err)
+			return reviewMarshal{Panic: true}, nil
+		})
+	})
+	require.Equal(t, int64(1), lost.Load())
+}

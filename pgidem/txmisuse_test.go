@@ -3,40 +3,16 @@ package pgidem_test
 import (
 	"context"
 	"errors"
-	"sync"
+	"fmt"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/pgidem"
 )
-
-// eventLog collects the kinds of the events a coordinator's hook receives.
-type eventLog struct {
-	mu    sync.Mutex
-	kinds []pgidem.EventKind
-}
-
-func (l *eventLog) hook() pgidem.Hook {
-	return pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		l.kinds = append(l.kinds, e.Kind)
-	})
-}
-
-func (l *eventLog) has(kind pgidem.EventKind) bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for _, k := range l.kinds {
-		if k == kind {
-			return true
-		}
-	}
-	return false
-}
 
 // A commit of InboxHandle's or DoInTx's transaction that fails by fn's doing is fn's error,
 // not the store's: a deferred constraint fn's writes broke (refused again on every
@@ -44,8 +20,8 @@ func (l *eventLog) has(kind pgidem.EventKind) bool {
 // the transaction itself. Neither is a *StoreError, logged or counted as one.
 func TestCommitRefusedByFnIsNotAStoreError(t *testing.T) {
 	t.Parallel()
-	var events eventLog
-	b := setup(t, &pgidem.Config{Hook: events.hook()})
+	var o transitionObserver
+	b := setup(t, o.config(pgidem.Config{}))
 	_, err := b.db.Pool.Exec(b.ctx, `CREATE TABLE parent (id int PRIMARY KEY);
 		CREATE TABLE ledger (id int PRIMARY KEY, parent int REFERENCES parent DEFERRABLE INITIALLY DEFERRED)`)
 	require.NoError(t, err)
@@ -85,7 +61,9 @@ func TestCommitRefusedByFnIsNotAStoreError(t *testing.T) {
 		require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 		require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
 	})
-	require.False(t, events.has(pgidem.EventStoreError), "fn's doing is not counted as a store error")
+	for _, namespace := range []string{"billing", "ledger"} {
+		require.Zero(t, o.count(namespace, pgidem.EventStoreError), "fn's doing is not counted as a store error")
+	}
 }
 
 func requireRefusedByConstraint(t *testing.T, err error) {
@@ -105,21 +83,24 @@ func countRows(t *testing.T, b *testBundle, sql string) int {
 	return n
 }
 
-// A caller's transaction that cannot take the inbox row or DoTx's lock — already ended,
-// aborted by an earlier failed statement, or read-only — is the caller's mistake, reported
-// as ErrInvalidArgument with what is wrong, not as an unreachable store.
+// A caller's transaction that cannot take the inbox row or DoTx's lock — already ended or
+// aborted by an earlier failed statement — is the caller's mistake, reported as
+// ErrInvalidArgument with what is wrong, not as an unreachable store. A read-only one is
+// refused by the server as a store error from InboxRecordTx (a server that refuses writes
+// says the same), and as ErrInvalidArgument from DoTx, which checks before it writes.
 func TestUnusableTransaction(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	for _, state := range []string{"Committed", "Aborted", "ReadOnly"} {
-		t.Run(state, func(t *testing.T) {
-			for _, call := range []string{"InboxRecordTx", "DoTx"} {
+		for _, call := range []string{"InboxRecordTx", "DoTx"} {
+			t.Run(state+"/"+call, func(t *testing.T) {
 				opts := pgx.TxOptions{}
 				if state == "ReadOnly" {
 					opts.AccessMode = pgx.ReadOnly
 				}
 				tx, err := b.db.Pool.BeginTx(b.ctx, opts)
 				require.NoError(t, err)
+				defer func() { _ = tx.Rollback(b.ctx) }()
 				switch state {
 				case "Committed":
 					require.NoError(t, tx.Commit(b.ctx))
@@ -133,10 +114,63 @@ func TestUnusableTransaction(t *testing.T) {
 					_, err = pgidem.DoTx(b.ctx, b.coord, tx, "ledger", "k-"+state, testTTL, nil,
 						func(context.Context, pgx.Tx) (int, error) { return 0, errors.New("fn must not run") })
 				}
-				require.ErrorIs(t, err, pgidem.ErrInvalidArgument, "%s: %v", call, err)
-				require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable, call)
-				_ = tx.Rollback(b.ctx)
-			}
-		})
+				if state == "ReadOnly" && call == "InboxRecordTx" {
+					require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+					return
+				}
+				require.ErrorIs(t, err, pgidem.ErrInvalidArgument, "%v", err)
+				require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+			})
+		}
+	}
+}
+
+// InboxHandle and DoInTx begin their transactions READ WRITE: on a pool whose sessions
+// default to read-only transactions they still record, where they used to report the
+// caller's read-only transaction (DoInTx) or a store error.
+func TestOwnTransactionsAreReadWrite(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	pool := b.newPool(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	})
+	coord := b.newCoordOn(t, pool, nil)
+	handled, err := coord.InboxHandle(b.ctx, "billing", "m-1", nil, func(context.Context, pgx.Tx) error { return nil })
+	require.NoError(t, err)
+	require.True(t, handled)
+	v, err := pgidem.DoInTx(b.ctx, coord, "ledger", "k-1", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 7, nil })
+	require.NoError(t, err)
+	require.Equal(t, 7, v)
+}
+
+// A DoTx fn that ends the transaction it was given is refused whatever it returns: a
+// Permanent error is not reported as a store failure, an ordinary one does not claim fn's
+// writes were undone (a release merged them into tx), and nothing is recorded.
+func TestDoTxFnEndingItsTxIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	declined := errors.New("declined")
+	for _, end := range []string{"Commit", "Rollback"} {
+		for _, returned := range []error{nil, declined, pgidem.Permanent(declined)} {
+			t.Run(fmt.Sprintf("%s/%v", end, returned), func(t *testing.T) {
+				key := fmt.Sprintf("%s-%v", end, returned)
+				tx := b.begin(t)
+				_, err := pgidem.DoTx(b.ctx, b.coord, tx, "ledger", key, testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int, error) {
+					if end == "Commit" {
+						return 0, errors.Join(tx.Commit(ctx), returned)
+					}
+					return 0, errors.Join(tx.Rollback(ctx), returned)
+				})
+				require.ErrorIs(t, err, pgidem.ErrInvalidArgument, "%v", err)
+				require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+				require.Contains(t, err.Error(), "roll tx back")
+				if returned != nil {
+					require.ErrorIs(t, err, declined, "fn's own error is kept")
+				}
+				require.NoError(t, tx.Rollback(b.ctx))
+				_, err = b.coord.Lookup(b.ctx, "ledger", key)
+				require.ErrorIs(t, err, pgidem.ErrNotFound, "nothing was recorded")
+			})
+		}
 	}
 }

@@ -91,13 +91,14 @@ func (c *Coordinator) sweepTable(ctx context.Context, sql string, batch int, opt
 	return total, nil
 }
 
-// sweepBatch deletes one batch of expired rows with sql in a READ COMMITTED transaction of
-// its own, whatever the pool's sessions default to: under REPEATABLE READ or SERIALIZABLE
-// a row that a concurrent sweep (or a takeover) changed after the statement's snapshot
-// fails the whole statement with a serialization failure, where READ COMMITTED skips it
-// or checks it again, so concurrent sweeps split the rows as the docs say.
+// sweepBatch deletes one batch of expired rows with sql in a READ COMMITTED, READ WRITE
+// transaction of its own, whatever the pool's sessions default to: under REPEATABLE READ
+// or SERIALIZABLE a row that a concurrent sweep (or a takeover) changed after the
+// statement's snapshot fails the whole statement with a serialization failure, where READ
+// COMMITTED skips it or checks it again, so concurrent sweeps split the rows as the docs
+// say; and sessions that default to read-only transactions would refuse the delete.
 func (c *Coordinator) sweepBatch(ctx context.Context, sql string, batch int) (int64, error) {
-	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted, AccessMode: pgx.ReadWrite})
 	if err != nil {
 		return 0, err
 	}

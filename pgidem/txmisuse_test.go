@@ -125,7 +125,7 @@ func TestUnusableTransaction(t *testing.T) {
 	}
 }
 
-// InboxHandle and DoInTx begin their transactions READ WRITE: on a pool whose sessions
+// InboxHandle, DoInTx and Sweep begin their transactions READ WRITE: on a pool whose sessions
 // default to read-only transactions they still record, where they used to report the
 // caller's read-only transaction (DoInTx) or a store error.
 func TestOwnTransactionsAreReadWrite(t *testing.T) {
@@ -141,6 +141,8 @@ func TestOwnTransactionsAreReadWrite(t *testing.T) {
 	v, err := pgidem.DoInTx(b.ctx, coord, "ledger", "k-1", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 7, nil })
 	require.NoError(t, err)
 	require.Equal(t, 7, v)
+	_, err = coord.Sweep(b.ctx, nil)
+	require.NoError(t, err, "the sweep's batches are READ WRITE too")
 }
 
 // A DoTx fn that ends the transaction it was given is refused whatever it returns: a

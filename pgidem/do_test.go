@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -843,6 +844,32 @@ func TestServerWaitIsNotBlamedOnThePool(t *testing.T) {
 		require.NotContains(t, err.Error(), "became free", "ReserveFirst=%v", reserveFirst)
 	}
 	require.NoError(t, locker.Rollback(b.ctx))
+
+	// A server that accepts connections and never answers: the pool has connections to
+	// spare, and the wait is for one being dialled.
+	blackhole, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer blackhole.Close()
+	go func() {
+		for {
+			conn, err := blackhole.Accept()
+			if err != nil {
+				return
+			}
+			defer conn.Close() // held open, never answered, until the listener closes
+		}
+	}()
+	silent := b.newPool(t, func(c *pgxpool.Config) {
+		c.MaxConns = 4
+		c.ConnConfig.ConnectTimeout = 2 * time.Second
+		c.ConnConfig.DialFunc = func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "tcp", blackhole.Addr().String())
+		}
+	})
+	coord = b.newCoordOn(t, silent, &pgidem.Config{FinishTimeout: 300 * time.Millisecond})
+	_, err = pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+	require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+	require.NotContains(t, err.Error(), "became free", "a connection being dialled is the server's wait")
 }
 
 // A caller whose context ends while its reserving statement waits on the server (behind an

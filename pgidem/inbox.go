@@ -340,18 +340,20 @@ func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, me
 	if tx == nil {
 		return false, invalidArgument("InboxRecordTx: tx is nil")
 	}
-	isNew, err := c.inboxRecord(ctx, tx, ic)
-	if txErr := unusableTx("InboxRecordTx", err); txErr != nil {
-		c.emitInvalid(ctx, ic.consumer)
-		return false, txErr
-	}
-	return isNew, err
+	return c.inboxRecord(ctx, tx, ic, true)
 }
 
-func (c *Coordinator) inboxRecord(ctx context.Context, db executor, ic *inboxCall) (bool, error) {
+// inboxRecord records ic's message in db. callersTx is true when db is the caller's
+// transaction (InboxRecordTx): one already ended or aborted is then the caller's mistake,
+// not a store error.
+func (c *Coordinator) inboxRecord(ctx context.Context, db executor, ic *inboxCall, callersTx bool) (bool, error) {
 	var inserted bool
 	err := db.QueryRow(ctx, c.sql.inbox.record, ic.consumer, ic.messageID, jsonText(ic.payload),
 		micros(ic.retention)).Scan(&inserted)
+	if txErr := unusableTx("InboxRecordTx", err); callersTx && txErr != nil {
+		c.emitInvalid(ctx, ic.consumer)
+		return false, txErr
+	}
 	if err != nil {
 		return false, c.inboxStoreError(ctx, ic, "inbox", err)
 	}
@@ -431,7 +433,7 @@ func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID strin
 			c.rollbackDetached(ctx, tx)
 		}
 	}()
-	isNew, err := c.inboxRecord(ctx, tx, ic)
+	isNew, err := c.inboxRecord(ctx, tx, ic, false)
 	if err != nil {
 		return false, err
 	}

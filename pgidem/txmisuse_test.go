@@ -90,10 +90,15 @@ func countRows(t *testing.T, b *testBundle, sql string) int {
 // says the same), and as ErrInvalidArgument from DoTx, which checks before it writes.
 func TestUnusableTransaction(t *testing.T) {
 	t.Parallel()
-	b := setup(t, nil)
+	var o transitionObserver
+	b := setup(t, o.config(pgidem.Config{}))
 	for _, state := range []string{"Committed", "Aborted", "ReadOnly"} {
 		for _, call := range []string{"InboxRecordTx", "DoTx"} {
-			t.Run(state+"/"+call, func(t *testing.T) {
+			t.Run(state+"/"+call, func(t *testing.T) { // one after another: each counts the store errors it caused
+				storeErrors := func() int {
+					return o.count("billing", pgidem.EventStoreError) + o.count("ledger", pgidem.EventStoreError)
+				}
+				before := storeErrors()
 				opts := pgx.TxOptions{}
 				if state == "ReadOnly" {
 					opts.AccessMode = pgx.ReadOnly
@@ -120,6 +125,7 @@ func TestUnusableTransaction(t *testing.T) {
 				}
 				require.ErrorIs(t, err, pgidem.ErrInvalidArgument, "%v", err)
 				require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+				require.Equal(t, before, storeErrors(), "the caller's mistake is not counted as a store error")
 			})
 		}
 	}

@@ -1698,14 +1698,13 @@ func TestInterruptServerSilent(t *testing.T) {
 		p := startCLI(t, url, "records", "forget", "mail", "old-1")
 		cliWaitingForLock(t, db)
 		proxy.freeze()
-		start := time.Now()
 		p.interrupt(t)
 		r := p.wait(t)
-		elapsed := time.Since(start)
+		// (How soon it answers — the grace and a bounded close, not 15 s more for the broken
+		// connection — is not asserted: tests here assert no durations. SecondSignal below
+		// checks that the user can always end it at once.)
 		require.Equal(t, `pgidem: forget record: interrupted before the server answered, so the delete may or may not have been applied `+
 			`(it is one statement, which commits on its own once it has run); check with 'pgidem records show "mail" "old-1"'`, requireFail(t, r, 1))
-		// The grace (3 s) and a bounded close (1 s), not 15 s more for the broken connection.
-		require.Less(t, elapsed, 8*time.Second)
 		// Indeed: the server never got the cancel request, and deletes the record once the
 		// lock is free.
 		require.NoError(t, tx.Rollback(ctx))

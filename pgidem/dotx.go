@@ -516,13 +516,9 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 	if closeErr := br.Close(); err == nil {
 		err = closeErr
 	}
-	if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) && pgErr.Code == sqlstateInFailedTransaction {
+	if txErr := unusableTx("DoTx", err); txErr != nil { // fn was not run
 		c.emitInvalid(ctx, cl.namespace)
-		return r, false, invalidArgument("DoTx: the transaction was already aborted by a statement that failed before DoTx; roll it back: fn was not run")
-	}
-	if errors.Is(err, pgx.ErrTxClosed) {
-		c.emitInvalid(ctx, cl.namespace)
-		return r, false, invalidArgument("DoTx: the transaction was already committed or rolled back: fn was not run")
+		return r, false, txErr
 	}
 	if err != nil {
 		return r, false, c.logStoreError(ctx, cl, storeError("lock", err))

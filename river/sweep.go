@@ -42,7 +42,8 @@ type SweepConfig struct {
 	// [pgidem.SweepBatchSizeDefault] (1000).
 	BatchSize int
 	// Pause is the sleep between batches, spreading the load. Default
-	// [SweepPauseDefault] (100 ms); -1 for none.
+	// [SweepPauseDefault] (100 ms); time.Duration(-1) (one nanosecond below zero, not
+	// -1 * time.Millisecond, which is rejected) for none.
 	Pause time.Duration
 	// Timeout bounds one sweep job: it is the worker's River timeout
 	// ([SweepWorker.Timeout]), after which River cancels the sweep's context. A sweep cut
@@ -53,8 +54,10 @@ type SweepConfig struct {
 	// value are rejected by [NewSweepWorker], because a sweep is always safe to cut short.
 	Timeout time.Duration
 	// Logger receives a line per sweep that deleted something (info), per sweep stopped by
-	// its timeout or its job's cancellation (info), and per failure (error). Default: the
-	// coordinator's logger.
+	// its timeout or its job's cancellation (info), and per failure (error). A sweep stopped
+	// by its timeout before its first batch finished is logged at warn: when one batch
+	// takes longer than Timeout (a big BatchSize, a slow disk, a lock held on the table),
+	// no run ever deletes anything. Default: the coordinator's logger.
 	Logger *slog.Logger
 }
 
@@ -76,7 +79,7 @@ type SweepWorker struct {
 // NewSweepWorker returns a sweep worker for coord; config may be nil for defaults (it is
 // copied). Register it with river.AddWorker and schedule it with [NewSweepPeriodicJob]. It
 // returns an error matching [pgidem.ErrInvalidArgument] and naming the SweepConfig field
-// when a setting is invalid: a negative BatchSize, a Pause below -1, a negative Timeout (or
+// when a setting is invalid: a negative BatchSize, a Pause below time.Duration(-1), a negative Timeout (or
 // a nil coord). It does not touch the database.
 func NewSweepWorker(coord *pgidem.Coordinator, config *SweepConfig) (*SweepWorker, error) {
 	if coord == nil {
@@ -106,7 +109,8 @@ func NewSweepWorker(coord *pgidem.Coordinator, config *SweepConfig) (*SweepWorke
 func (w *SweepWorker) Timeout(*river.Job[SweepArgs]) time.Duration { return w.config.Timeout }
 
 // Work sweeps until no expired row is left, or until the job's timeout: a sweep cut short
-// by its timeout returns nil (what it deleted stays deleted, the next period continues). A
+// by its timeout returns nil (what it deleted stays deleted, the next period continues;
+// logged at info, or at warn when not one batch finished in time). A
 // sweep whose job was cancelled (the client stopping with StopAndCancel) returns the
 // context's error, logged at info: River puts the job back. A database error is returned,
 // logged at error, and River retries the job.
@@ -125,6 +129,13 @@ func (w *SweepWorker) Work(ctx context.Context, job *river.Job[SweepArgs]) error
 	}
 	switch {
 	case err == nil:
+		return nil
+	case errors.Is(err, context.DeadlineExceeded) && ctx.Err() != nil && res.Records == 0 && res.Inbox == 0:
+		// Not one batch finished in time. When that is because one batch takes longer than
+		// the timeout, every run ends here and the table only grows: say so loudly.
+		w.config.Logger.WarnContext(ctx, "pgidemriver: sweep stopped at its timeout before its first batch finished, so nothing was deleted; "+
+			"if this repeats, raise SweepConfig.Timeout or lower SweepConfig.BatchSize",
+			append(attrs, slog.Duration("timeout", w.config.Timeout), slog.Int("batch_size", cmp.Or(w.config.BatchSize, pgidem.SweepBatchSizeDefault)))...)
 		return nil
 	case errors.Is(err, context.DeadlineExceeded) && ctx.Err() != nil:
 		w.config.Logger.InfoContext(ctx, "pgidemriver: sweep stopped at its timeout; the next run continues", attrs...)

@@ -190,3 +190,38 @@ func TestSweepCancelledIsNotAnError(t *testing.T) {
 	require.NotContains(t, logs.String(), "level=ERROR")
 	require.Contains(t, logs.String(), "sweep stopped: its job was cancelled")
 }
+
+// A sweep whose timeout passes before its first batch finishes deleted nothing, and when one
+// batch always takes longer than the timeout no run ever will: that is logged at warn, with
+// the settings to change, while the job still succeeds.
+func TestSweepTimeoutBeforeFirstBatchWarns(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, expires_at, completed_at)
+		SELECT 'mail.invoice', 'old-' || i, 'completed', gen_random_uuid(), now() - interval '1 hour', now() - interval '2 hours'
+		FROM generate_series(1, 10) AS i`)
+	require.NoError(t, err)
+	job := &river.Job[pgidemriver.SweepArgs]{JobRow: &rivertype.JobRow{ID: 1, Kind: pgidemriver.SweepKind}}
+	newSweeper := func(logs *bytes.Buffer) *pgidemriver.SweepWorker {
+		sweeper, err := pgidemriver.NewSweepWorker(b.coord, &pgidemriver.SweepConfig{BatchSize: 5, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+		require.NoError(t, err)
+		return sweeper
+	}
+
+	var logs bytes.Buffer
+	ctx, cancel := context.WithDeadline(b.ctx, time.Now().Add(-time.Second))
+	defer cancel()
+	require.NoError(t, newSweeper(&logs).Work(ctx, job))
+	require.Contains(t, logs.String(), "level=WARN")
+	require.Contains(t, logs.String(), "before its first batch finished")
+	require.Contains(t, logs.String(), "batch_size=5")
+	var left int
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, "SELECT count(*) FROM pgidem_record").Scan(&left))
+	require.Equal(t, 10, left)
+
+	// A sweep that got through its batches is not warned about.
+	logs.Reset()
+	require.NoError(t, newSweeper(&logs).Work(b.ctx, job))
+	require.NotContains(t, logs.String(), "before its first batch finished")
+	require.Contains(t, logs.String(), "records=10")
+}

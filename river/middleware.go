@@ -166,11 +166,14 @@ type Outcome struct {
 	Attempts int
 	// FailedOpen is true when the worker ran without a reservation: the store was
 	// unreachable and the coordinator fails open ([pgidem.Config.FailOpen]). No record
-	// exists; Action is [ActionExecuted] (the worker succeeded) or [ActionReleased] (it
-	// failed) as for a reserved run, but nothing was completed or released.
+	// exists; Action is [ActionExecuted] (the worker succeeded), [ActionReleased] (it
+	// failed) or [ActionCancelled] (it failed with a [pgidem.Permanent] error) as for a
+	// reserved run, but nothing was completed, released or stored: a later job with the
+	// key runs the worker again.
 	FailedOpen bool
 	// Output is the JSON output the effect recorded with [RecordOutput] (the original run's
-	// on a replay), nil when none.
+	// on a replay), nil when none. With OutputNotStored it is this run's output, which the
+	// record lacks; nil on a replay of such a record.
 	Output json.RawMessage
 	// OutputNotStored is true when the effect succeeded but the output it recorded with
 	// [RecordOutput] could not be stored in the pgidem record (pgidem's
@@ -306,8 +309,9 @@ type Stats struct {
 	// FailedOpen counts executions whose worker ran without a reservation because the
 	// store was unreachable and the coordinator fails open ([Outcome.FailedOpen]).
 	FailedOpen int64
-	// RecordNotCompleted counts executions whose worker succeeded but whose record the
-	// store failed to complete ([Outcome.RecordNotCompleted]); they count in Executed too.
+	// RecordNotCompleted counts executions whose record the store failed to complete
+	// ([Outcome.RecordNotCompleted]): a worker that succeeded (these count in Executed
+	// too) or one whose Permanent failure could not be stored (these count in Cancelled).
 	RecordNotCompleted int64
 }
 
@@ -717,6 +721,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 		// River already holds the output in the job's metadata, so the job completes.
 		out.Action = ActionExecuted
 		out.OutputNotStored = true
+		out.Output = res.Value.Output
 		m.config.Logger.WarnContext(ctx, "pgidemriver: job output not storable in the idempotency record; "+
 			"the job completes and replays of its key carry no output",
 			slog.Int64("job_id", job.ID), slog.String("job_kind", job.Kind),

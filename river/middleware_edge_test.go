@@ -318,6 +318,7 @@ func TestOutputNotStorableCompletes(t *testing.T) {
 	require.Contains(t, string(job.Metadata), "receipt", "River keeps the output it recorded")
 	executed := outs.waitFor(t, pgidemriver.ActionExecuted)
 	require.True(t, executed.OutputNotStored)
+	require.Contains(t, string(executed.Output), "receipt", "the outcome carries the output the record lacks")
 	require.NoError(t, executed.Err)
 
 	second := b.insert(t, InvoiceArgs{OrderID: 12}, nil)

@@ -185,15 +185,16 @@ func isStoredFailure[T any](res pgidem.Result[T], err error) bool {
 }
 
 // WorkInTx makes a job's database effect exactly-once in a transaction of its own: it
-// begins a transaction on the coordinator's pool (READ COMMITTED), runs [WorkTx] in it
-// and commits. It is [WorkInTxResult] without the detail; see there.
+// begins a transaction on the coordinator's pool (READ COMMITTED, READ WRITE), runs
+// [WorkTx] in it and commits. It is [WorkInTxResult] without the detail; see there.
 func WorkInTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, error) {
 	res, err := WorkInTxResult(ctx, c, job, namespace, key, ttl, opts, fn)
 	return res.Value, err
 }
 
 // WorkInTxResult is [WorkTxResult] in a transaction of its own, begun on the coordinator's
-// pool (READ COMMITTED) and committed when WorkTxResult returns nil or a fresh
+// pool (READ COMMITTED, and READ WRITE even where the pool's sessions default to read-only
+// transactions) and committed when WorkTxResult returns nil or a fresh
 // [pgidem.Permanent] failure (so the stored failure is kept; the river.JobCancel error is
 // still returned); on any other error it is rolled back, so nothing of fn's survives.
 // Call it from a River worker's Work and return its error as is.
@@ -214,7 +215,7 @@ func WorkInTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.C
 	if c == nil || job == nil {
 		return res, invalid("WorkInTx: coordinator and job must not be nil")
 	}
-	tx, err := c.Pool().BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	tx, err := c.Pool().BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted, AccessMode: pgx.ReadWrite})
 	if err != nil {
 		return res, fmt.Errorf("pgidemriver: WorkInTx: begin: %w", err)
 	}

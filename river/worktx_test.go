@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
@@ -307,4 +308,39 @@ func TestWorkTxMiddlewareKey(t *testing.T) {
 	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 	require.ErrorContains(t, err, "Config.ExcludeKinds")
 	require.Zero(t, runs)
+}
+
+// WorkInTx begins its transaction READ WRITE: on a pool whose sessions default to read-only
+// transactions, the shipment, the record and the job's completion still commit together.
+// Every job used to fail with "the transaction is read-only", and River retried it.
+func TestWorkInTxOnReadOnlyDefaultPool(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, err := b.db.Pool.Exec(b.ctx, shipmentsSchema)
+	require.NoError(t, err)
+	cfg, err := pgxpool.ParseConfig(b.db.URL)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	readOnly, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(readOnly.Close)
+	coord, err := pgidem.NewCoordinator(readOnly, &pgidem.Config{Lease: testLease, Logger: testLogger(t)})
+	require.NoError(t, err)
+
+	errs := make(chan error, 10)
+	workers := river.NewWorkers()
+	river.AddWorker(workers, &shipWorker{coord: coord, errs: errs})
+	b.startClient(t, riverConfig(t, workers))
+	id := b.insert(t, ShipArgs{OrderID: 9}, nil)
+	select {
+	case err := <-errs:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the job did not run")
+	}
+	b.waitJob(t, id, rivertype.JobStateCompleted)
+	shipments, record, state := b.shipState(t, id)
+	require.Equal(t, 1, shipments)
+	require.True(t, record)
+	require.Equal(t, rivertype.JobStateCompleted, state)
 }

@@ -1,6 +1,6 @@
 // Package pgidemhttp makes net/http handlers idempotent under the Idempotency-Key request
-// header (IETF draft-ietf-httpapi-idempotency-key-header), with each key's record in
-// Postgres, kept by a [pgidem.Coordinator].
+// header (IETF draft-ietf-httpapi-idempotency-key-header; section numbers here are those of
+// revision -07), with each key's record in Postgres, kept by a [pgidem.Coordinator].
 //
 // A client that sends a POST and loses the response cannot know whether the server acted.
 // With an idempotency key it retries safely: the first request runs the handler and its

@@ -40,7 +40,9 @@ const (
 	HeaderReplayed = "Idempotent-Replayed"
 	// HeaderBodyOmitted is set to "true" on a replay whose stored response has no body
 	// although the first response had one (too long for the record, or cut off on its way
-	// to the client), so a client can tell it from a response that was empty. pgidem's own.
+	// to the client), or may have had one (its handler panicked after sending the status,
+	// which aborts the response), so a client can tell it from a response that was empty.
+	// pgidem's own.
 	HeaderBodyOmitted = "Idempotent-Body-Omitted"
 )
 
@@ -204,8 +206,8 @@ type Config struct {
 	// InFlight is what a retry does while the first request with its key is still being
 	// handled:
 	//   - [pgidem.InFlightRaise] (the default, also for [pgidem.InFlightDefault]): answer
-	//     409 Conflict at once with Retry-After (the draft, section 2.7: a concurrent
-	//     request MUST get a conflict error);
+	//     409 Conflict at once with Retry-After (the draft's section 2.6 asks for a
+	//     resource conflict error for a concurrent request, section 2.7 for a 409);
 	//   - [pgidem.InFlightWait]: hold the retry up to WaitTimeout (mind the server's
 	//     WriteTimeout) until the first request finishes, and replay its response; when
 	//     the first request's response is not stored (a 5xx, a panic), one waiter takes

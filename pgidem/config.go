@@ -140,7 +140,8 @@ type Config struct {
 	// cancelled while one is blocked returns when it ends, and a reservation made for it
 	// is released at once) and the finishing write — complete, store failure, release —
 	// with its retries (so a cancelled caller never leaves the record stuck in progress).
-	// It also bounds each indexed read of a key (with its wait for a pool connection),
+	// It also bounds each indexed read Do makes of a key (with its wait for a pool
+	// connection; Lookup, LookupTx and Forget run on the caller's context alone),
 	// which otherwise runs on the caller's context: a pool with no connection to spare
 	// fails a call with a [*StoreError] saying so instead of blocking it for as long as a
 	// context without deadline allows.

@@ -19,8 +19,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// DoOpts are optional per-call settings for [Do], [DoResult], [DoTx], [DoTxResult] and
-// [DoInTx]. A nil *DoOpts means the coordinator's defaults.
+// DoOpts are optional per-call settings for [Do], [DoResult], [DoTx], [DoTxResult],
+// [DoInTx] and [DoInTxResult]. A nil *DoOpts means the coordinator's defaults.
 type DoOpts struct {
 	// Fingerprint identifies the payload the key was first used for (callers hash the
 	// request body or the fields that matter). It is stored on reserve and compared on every
@@ -139,6 +139,9 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 //     [ErrLeaseLost], and nothing will be replayed: a later call takes the key over once
 //     the lease ends.
 //   - fn panics: the record is released and the panic continues.
+//   - encoding fn's value panics (its MarshalJSON): the effect ran, so the record is
+//     completed without the value, as for a value that cannot be stored (later calls
+//     replay an error matching [ErrResultNotStorable]), and the panic continues.
 //
 // The finishing write runs on a context detached from ctx, bounded by
 // [Config.FinishTimeout] and retried briefly, so a cancelled caller does not leave the

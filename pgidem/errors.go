@@ -92,7 +92,8 @@ var (
 	// transaction or fn (including [Coordinator.InboxHandle]'s fn and
 	// [Coordinator.InboxRecordTx]'s transaction), a [DoOpts] field other than Lease (an
 	// [*InvalidTTLError]) or a [SweepOpts] field out of range, a read-only or already
-	// aborted transaction given to [DoTx] (which must write the record), or a call for a key (an inbox message,
+	// aborted transaction given to [DoTx] (which must write the record), an aborted or
+	// already ended transaction given to [Coordinator.InboxRecordTx], or a call for a key (an inbox message,
 	// for [Coordinator.InboxHandle]) from within the fn of a call that holds it. The error's message names the field (or, for a held
 	// key, the key). fn is not run.
 	ErrInvalidArgument = errors.New("pgidem: invalid argument")
@@ -133,7 +134,8 @@ type InvalidTTLError struct {
 	TTL time.Duration
 	// MinTTL is the configured minimum ([Config.MinTTL]).
 	MinTTL time.Duration
-	// Lease is the lease that applied to the call; it must be shorter than TTL.
+	// Lease is the lease that applied to the call; it must be shorter than TTL. For an
+	// inbox call, where no lease applies, it is the coordinator's [Config.Lease].
 	Lease time.Duration
 }
 
@@ -160,9 +162,11 @@ type InProgressError struct {
 	// holder died. At least one millisecond. A live holder renews its lease, so the retry
 	// may find it still in progress.
 	RetryAfter time.Duration
-	// Attempts is the record's attempt count (1 unless a takeover happened).
+	// Attempts is the record's attempt count (1 unless a takeover happened); 0 when the
+	// key was held by another transaction's advisory lock ([DoTx]), which shows no record.
 	Attempts int
-	// LeaseExpiresAt is the holder's lease expiry when the record was read.
+	// LeaseExpiresAt is the holder's lease expiry when the record was read; the zero time
+	// when the key was held by another transaction's advisory lock ([DoTx]).
 	LeaseExpiresAt time.Time
 	// Waited is true when the caller waited ([InFlightWait]) before giving up.
 	Waited bool
@@ -197,7 +201,8 @@ func (e *FingerprintMismatchError) Is(target error) bool { return target == ErrF
 // when pgidem's tables are missing) and unwraps to the driver's error, so a
 // *pgconn.PgError can be inspected with [errors.As].
 type StoreError struct {
-	// Op is the protocol step that failed: "reserve", "takeover", "complete", "release",
+	// Op is the protocol step that failed: "reserve" (which covers Do's first read of the
+	// key), "takeover", "complete", "release",
 	// "lookup", "forget", "sweep"; "heartbeat" for the renewal Do makes before fn starts when the
 	// reserving statement waited a third of the lease or more (fn then does not run); for
 	// DoTx and the inbox also "begin", "lock", "savepoint", "commit", "inbox". (A failed
@@ -421,7 +426,8 @@ func (e *PermanentError) Unwrap() error {
 // Is reports whether target is [ErrPermanent].
 func (e *PermanentError) Is(target error) bool { return target == ErrPermanent }
 
-// FailureNotStoredError is returned by [Do], [DoResult] and [DoTx] when fn returned a
+// FailureNotStoredError is returned by [Do], [DoResult], [DoTx], [DoTxResult], [DoInTx]
+// and [DoInTxResult] when fn returned a
 // [Permanent] error that could not be stored: nothing will be replayed, and a later call
 // runs fn again (Do: once the lease ends; DoTx: at once). It is always the call's
 // top-level error, never wrapped, so a type assertion (err.(*FailureNotStoredError))
@@ -449,7 +455,8 @@ func (e *FailureNotStoredError) Unwrap() []error { return []error{e.Err, e.Cause
 type StoredFailureError struct {
 	// Namespace and Key identify the record.
 	Namespace, Key string
-	// Message is the original error's message, as stored: a NUL character is written as
+	// Message is the message of the error given to [Permanent] (without whatever fn
+	// wrapped around it, which the first call's error still shows), as stored: a NUL character is written as
 	// the two characters \0 (jsonb cannot hold one) and a message over 64 KiB is cut at a
 	// character boundary and ends in " … (truncated)".
 	Message string

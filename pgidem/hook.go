@@ -27,9 +27,10 @@ const (
 	EventLeaseLost EventKind = "lease_lost"
 	// EventStoreError: a database error was returned or logged.
 	EventStoreError EventKind = "store_error"
-	// EventInvalidKey: the call's input was rejected before anything ran: namespace,
-	// key, TTL, DoOpts, an inbox consumer, message id or payload, a read-only transaction
-	// given to DoTx, or a call for a key from within the fn of a call that holds it.
+	// EventInvalidKey: the call's input was rejected before fn ran: namespace, key,
+	// TTL, DoOpts, an inbox consumer, message id or payload, a read-only transaction
+	// given to DoTx, an aborted, committed or rolled-back transaction given to DoTx or
+	// InboxRecordTx, or a call for a key from within the fn of a call that holds it.
 	EventInvalidKey EventKind = "invalid_key"
 	// EventFingerprintMismatch: the key was reused with a different fingerprint.
 	EventFingerprintMismatch EventKind = "fingerprint_mismatch"

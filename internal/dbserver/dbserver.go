@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/testcontainers/testcontainers-go"
 	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
@@ -180,10 +181,57 @@ func (s *Server) CreateDatabase(ctx context.Context, prefix, template string) (*
 		return nil, fmt.Errorf("%s: %w", create, err)
 	}
 	db := &Database{Name: name, serverURL: s.URL}
+	// The comment dates the database, so that DropStale can tell one a killed run left
+	// behind. (COMMENT takes no parameters; the text is ours and holds no quote.)
+	comment := fmt.Sprintf("COMMENT ON DATABASE %s IS '%s%s'", pgx.Identifier{name}.Sanitize(),
+		scratchComment, time.Now().UTC().Format(time.RFC3339))
+	if _, err := admin.Exec(ctx, comment); err != nil {
+		return nil, errors.Join(fmt.Errorf("date database %s: %w", name, err), db.Drop(ctx))
+	}
 	if db.URL, err = ConnStringFor(s.URL, name); err != nil {
 		return nil, errors.Join(err, db.Drop(ctx))
 	}
 	return db, nil
+}
+
+// scratchComment starts the comment [Server.CreateDatabase] puts on its databases; the
+// creation time (RFC 3339, UTC) follows.
+const scratchComment = "pgidem scratch database created at "
+
+// DropStale drops the databases [Server.CreateDatabase] created more than age ago that
+// nobody is connected to: those left behind by test runs and example programs that were
+// killed before their cleanup. A database still in use is kept (the DROP does not force
+// it). It returns the names it dropped.
+func (s *Server) DropStale(ctx context.Context, age time.Duration) ([]string, error) {
+	admin, err := pgx.Connect(ctx, s.URL)
+	if err != nil {
+		return nil, fmt.Errorf("connect to server: %w", err)
+	}
+	defer admin.Close(context.WithoutCancel(ctx))
+	rows, err := admin.Query(ctx, `SELECT datname FROM pg_database
+		WHERE NOT datistemplate
+			AND substring(shobj_description(oid, 'pg_database') FROM '^'||$1||'(.*)$')::timestamptz < now() - $2::interval`,
+		scratchComment, age)
+	if err != nil {
+		return nil, fmt.Errorf("list stale databases: %w", err)
+	}
+	stale, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("list stale databases: %w", err)
+	}
+	var dropped []string
+	for _, name := range stale {
+		_, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize())
+		var pgErr *pgconn.PgError
+		switch {
+		case errors.As(err, &pgErr) && pgErr.Code == "55006": // object_in_use: someone still uses it
+		case err != nil:
+			return dropped, fmt.Errorf("drop stale database %s: %w", name, err)
+		default:
+			dropped = append(dropped, name)
+		}
+	}
+	return dropped, nil
 }
 
 // Drop drops the database, ending its open connections. It runs on its own 30 s timeout,

@@ -57,8 +57,19 @@ func setupTemplate() {
 		return
 	}
 	shared.template = name
-	shared.err = ensureTemplate(ctx, server.URL, name)
+	if shared.err = ensureTemplate(ctx, server.URL, name); shared.err != nil {
+		return
+	}
+	// Databases of runs killed before their cleanup would pile up on a developer's server.
+	// No run lasts staleAge; one that does keeps its databases while connected to them.
+	if _, err := server.DropStale(ctx, staleAge); err != nil {
+		shared.err = fmt.Errorf("testdb: %w", err)
+	}
 }
+
+// staleAge is the age past which [dbserver.Server.DropStale] removes an unused test or
+// example database.
+const staleAge = 6 * time.Hour
 
 func templateName() (string, error) {
 	h := sha256.New()

@@ -47,6 +47,8 @@ func TestMigrate(t *testing.T) {
 		require.Equal(t, "0 (latest is "+strconv.FormatInt(latest, 10)+"; run pgidem migrate up)\n",
 			requireOK(t, cli(t, db.URL, "migrate", "version")))
 		out := requireOK(t, cli(t, db.URL, "migrate", "status"))
+		require.True(t, strings.HasPrefix(out, `pgidem migrations in database "`+db.Name+`" (user "`), out)
+		require.Contains(t, out, `, schema "public"`+"\n")
 		require.Contains(t, out, "VERSION")
 		require.Contains(t, out, "00001_create_pgidem_record.sql")
 		require.Contains(t, out, "pending")
@@ -814,6 +816,8 @@ func TestNonDefaultSchema(t *testing.T) {
 
 	out := requireOK(t, cli(t, db.URL, "--schema", schema, "migrate", "up"))
 	require.Contains(t, out, "applied 00001_create_pgidem_record.sql")
+	require.Contains(t, requireOK(t, cli(t, db.URL, "--schema", schema, "migrate", "status")), `"`+db.Name+`"`)
+	require.Contains(t, requireOK(t, cli(t, db.URL, "--schema", schema, "migrate", "status")), `, schema "Idem Store"`+"\n")
 
 	var tables []string
 	require.NoError(t, db.Pool.QueryRow(ctx, `

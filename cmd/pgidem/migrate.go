@@ -320,7 +320,8 @@ func (a *app) migrateStatusCommand() *cobra.Command {
 	return &cobra.Command{
 		Use:   "status",
 		Short: "List pgidem's migrations and whether each is applied",
-		Long: `Lists pgidem's migrations, whether each is applied, and when (APPLIED AT, in UTC).
+		Long: `Lists pgidem's migrations, whether each is applied, and when (APPLIED AT, in UTC),
+under a line naming the database, user, server and schema it read.
 
 goose records the time as a timestamp without time zone, written in the time zone of
 the session that applied the migration. The pgidem command and migrations.OpenDB use UTC
@@ -354,6 +355,20 @@ in another time zone shows shifted by that zone's offset.`,
 			if a.json {
 				return printJSON(a.stdout, rows)
 			}
+			// Say where: the same command run against the wrong database or schema would
+			// print a table just as plausible.
+			cfg, _, err := a.poolConfig()
+			if err != nil {
+				return err
+			}
+			schemaName := a.schema
+			if schemaName == "" {
+				// Without --schema, the first schema of the search_path that exists.
+				if err := db.QueryRowContext(ctx, "SELECT coalesce(current_schema(), '')").Scan(&schemaName); err != nil {
+					return err
+				}
+			}
+			fmt.Fprintf(a.stdout, "pgidem migrations in %s, schema %q\n", describeDatabase(&cfg.ConnConfig.Config), schemaName)
 			t := newTable(a.stdout, "VERSION", "MIGRATION", "STATE", "APPLIED AT")
 			for _, r := range rows {
 				applied := "-"

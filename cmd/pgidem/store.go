@@ -151,8 +151,10 @@ func schemaList(schemas []string) string {
 }
 
 // database describes the database the store is connected to, for messages.
-func (s *store) database() string {
-	cc := s.pool.Config().ConnConfig
+func (s *store) database() string { return describeDatabase(&s.pool.Config().ConnConfig.Config) }
+
+// describeDatabase names the database cc connects to, its user and its first address.
+func describeDatabase(cc *pgconn.Config) string {
 	// An empty database name in the configuration means the server's default, the user
 	// name (libpq's rule); name it.
 	return fmt.Sprintf("database %q (user %q on %s)", cmp.Or(cc.Database, cc.User), cc.User, hostPort(cc.Host, cc.Port))

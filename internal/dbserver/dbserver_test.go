@@ -48,15 +48,11 @@ func TestDropStale(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close(ctx) })
-	// Old and named alike, but not ours: no comment.
-	foreign := "pgidem_test_stale_foreign"
-	if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+foreign); err != nil {
+	// Named alike, but without the comment: not one of ours.
+	foreign := create(0).Name
+	if _, err := admin.Exec(ctx, "COMMENT ON DATABASE "+pgx.Identifier{foreign}.Sanitize()+" IS NULL"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+foreign); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _, _ = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+foreign) })
 
 	dropped, err := server.DropStale(ctx, 2*time.Hour)
 	if err != nil {

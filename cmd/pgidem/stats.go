@@ -17,11 +17,13 @@ type statsJSON struct {
 func (a *app) statsCommand() *cobra.Command {
 	return &cobra.Command{
 		Use:   "stats",
-		Short: "Per-namespace counts, stuck and taken-over records, expired rows, table size",
+		Short: "Per-namespace counts, dead holders' and taken-over records, expired rows, table size",
 		Long: `Prints, per namespace: records by status; LEASE EXPIRED, in-progress records whose
 holder stopped renewing the lease; TOOK OVER, records whose effect started more than once
 (attempts > 1); EXPIRED, records the next sweep deletes (past their TTL and not in
-progress under a live lease); and the oldest in-progress record with its lease. Then, for
+progress under a live lease); and the oldest in-progress record with its lease: the
+longest-running holder, live or dead, not by itself a sign that anything is stuck (a live
+holder whose work hangs keeps renewing its lease; its AGE gives it away). Then, for
 the record table and the inbox table, the row count, the expired rows the next sweep
 deletes, and the total size (with indexes and TOAST). A database without the inbox table
 gets no inbox line (--json: "inbox": null). Namespaces and keys are quoted as in records

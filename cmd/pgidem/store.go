@@ -119,7 +119,7 @@ func (s *store) missingTable(ctx context.Context, op string, err error) error {
 	if len(elsewhere) > 0 {
 		return fmt.Errorf("%s; pgidem is installed in %s of this database: pass --schema to point at it", msg, schemaList(elsewhere))
 	}
-	return fmt.Errorf("%s; if that is not the database you meant, pass --database-url (or --schema); if it is, run 'pgidem migrate up'", msg)
+	return fmt.Errorf("%s; if that is not the database you meant, pass --database-url (or --schema); if it is, run 'pgidem migrate up' (or, where your own migration tool applies pgidem's files, apply the missing ones with it)", msg)
 }
 
 // otherInstallsSQL lists the schemas other than the current one that hold pgidem's record

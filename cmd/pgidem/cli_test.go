@@ -1490,7 +1490,7 @@ func TestMigrateUpNewSchemaInstalledElsewhere(t *testing.T) {
 	require.Contains(t, r.stdout, "pgidem schema is now at version")
 	require.Equal(t, `pgidem: note: installed pgidem anew in schema "Public", which this run created, although it is installed in `+
 		`schema "public" of this database (schema names are case-sensitive); if you meant that installation, `+
-		`roll this one back (pgidem --schema "Public" migrate down --to 0) and pass that --schema instead`+"\n", r.stderr)
+		`roll this one back (pgidem --schema Public migrate down --to 0) and pass that --schema instead`+"\n", r.stderr)
 	// Installed there now: no more notes.
 	requireOK(t, cli(t, db.URL, "--schema", "Public", "migrate", "up"))
 
@@ -1708,7 +1708,7 @@ func TestInterruptServerSilent(t *testing.T) {
 		// connection — is not asserted: tests here assert no durations. SecondSignal below
 		// checks that the user can always end it at once.)
 		require.Equal(t, `pgidem: forget record: interrupted before the server answered, so the delete may or may not have been applied `+
-			`(it is one statement, which commits on its own once it has run); check with 'pgidem records show "mail" "old-1"'`, requireFail(t, r, 1))
+			`(it is one statement, which commits on its own once it has run); check with: pgidem records show -- mail old-1`, requireFail(t, r, 1))
 		// Indeed: the server never got the cancel request, and deletes the record once the
 		// lock is free.
 		require.NoError(t, tx.Rollback(ctx))

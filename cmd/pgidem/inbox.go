@@ -257,7 +257,7 @@ func (s *store) inboxForget(ctx context.Context, consumer, messageID string) (*i
 		return nil, fmt.Errorf("%w; nothing deleted", errNoInboxRow(consumer, messageID))
 	}
 	if err != nil {
-		if ie := interruptedDelete(ctx, "forget inbox row", err, fmt.Sprintf("pgidem inbox show %q %q", consumer, messageID)); ie != nil {
+		if ie := interruptedDelete(ctx, "forget inbox row", err, commandLine([]string{"inbox", "show"}, consumer, messageID)); ie != nil {
 			return nil, ie
 		}
 		return nil, s.translate(ctx, "forget inbox row", err)

@@ -133,8 +133,9 @@ two deploys migrating River at once would otherwise race. River's tables go to
 						created = ", which this run created"
 					}
 					fmt.Fprintf(a.stderr, "pgidem: note: installed pgidem anew in schema %q%s, although it is installed in %s of this database "+
-						"(schema names are case-sensitive); if you meant that installation, roll this one back (pgidem --schema %q migrate down --to 0) "+
-						"and pass that --schema instead\n", a.schema, created, schemaList(elsewhere), a.schema)
+						"(schema names are case-sensitive); if you meant that installation, roll this one back (%s) "+
+						"and pass that --schema instead\n", a.schema, created, schemaList(elsewhere),
+						commandLine([]string{"--schema", a.schema, "migrate", "down", "--to", "0"}))
 				}
 			}
 			out.Applied = resultsJSON(results)

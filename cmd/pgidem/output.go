@@ -12,6 +12,8 @@ import (
 	"time"
 	"unicode"
 	"unicode/utf8"
+
+	"al.essio.dev/pkg/shellescape"
 )
 
 // printJSON writes v as indented JSON. <, > and & are written as they are, not escaped for
@@ -72,6 +74,33 @@ func quoteName(s string) string {
 		return strconv.Quote(s)
 	}
 	return s
+}
+
+// commandLine returns a pgidem command line a user can paste into a POSIX shell: each
+// argument quoted as the shell needs it (shellescape's single quotes), and "--" before the
+// positional arguments, so that a key starting with '-' is not taken for a flag. An
+// argument with a character that does not print, or invalid UTF-8, is written in bash's
+// and zsh's $'…' form, whose escapes are Go's, so that it shows and pastes exactly.
+func commandLine(flagsAndCommand []string, positional ...string) string {
+	words := []string{"pgidem"}
+	for _, arg := range flagsAndCommand {
+		words = append(words, shellArg(arg))
+	}
+	if len(positional) > 0 {
+		words = append(words, "--")
+		for _, arg := range positional {
+			words = append(words, shellArg(arg))
+		}
+	}
+	return strings.Join(words, " ")
+}
+
+func shellArg(s string) string {
+	if !utf8.ValidString(s) || strings.IndexFunc(s, func(r rune) bool { return !unicode.IsPrint(r) && r != ' ' }) >= 0 {
+		q := strconv.Quote(s)
+		return "$'" + strings.ReplaceAll(q[1:len(q)-1], "'", `\'`) + "'"
+	}
+	return shellescape.Quote(s)
 }
 
 // count formats n with the singular or plural noun: "1 record", "2 records", "0 records".

@@ -448,7 +448,7 @@ func (s *store) forget(ctx context.Context, namespace, key string, force bool) (
 		return nil, fmt.Errorf("%w; nothing deleted", errNoRecord(namespace, key))
 	}
 	if err != nil {
-		if ie := interruptedDelete(ctx, "forget record", err, fmt.Sprintf("pgidem records show %q %q", namespace, key)); ie != nil {
+		if ie := interruptedDelete(ctx, "forget record", err, commandLine([]string{"records", "show"}, namespace, key)); ie != nil {
 			return nil, ie
 		}
 		return nil, s.translate(ctx, "forget record", err)
@@ -495,7 +495,7 @@ func interruptedDelete(ctx context.Context, op string, err error, check string) 
 		return interruptedf("pgidem: %s: interrupted; nothing was deleted", op)
 	}
 	return interruptedf("pgidem: %s: interrupted before the server answered, so the delete may or may not have been applied "+
-		"(it is one statement, which commits on its own once it has run); check with '%s'", op, check)
+		"(it is one statement, which commits on its own once it has run); check with: %s", op, check)
 }
 
 // namespaceStats is one row of stats.

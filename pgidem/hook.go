@@ -1,6 +1,10 @@
 package pgidem
 
-import "context"
+import (
+	"context"
+	"log/slog"
+	"runtime/debug"
+)
 
 // EventKind names an outcome counted through [Hook].
 type EventKind string
@@ -60,7 +64,8 @@ type Event struct {
 // called synchronously, mostly on the goroutine of the call the event is about; a failed
 // lease renewal's [EventStoreError] comes from that call's heartbeat goroutine, with a
 // context detached from the caller's. It is called from many goroutines at once: it must
-// be fast and safe for concurrent use.
+// be fast and safe for concurrent use. A panic in OnEvent is recovered and logged at error
+// ([Config.Logger]); the call the event is about goes on as if the Hook had returned.
 type Hook interface {
 	OnEvent(ctx context.Context, event Event)
 }
@@ -90,8 +95,19 @@ func (c *Coordinator) emitInvalid(ctx context.Context, namespace string) {
 	c.emit(ctx, EventInvalidKey, namespace, 1)
 }
 
+// emit hands an event to the Hook. A panic in the Hook is logged and goes no further: it
+// must not cut the protocol short between two of its steps (a reservation left to its
+// lease, a heartbeat goroutine crashing the process).
 func (c *Coordinator) emit(ctx context.Context, kind EventKind, namespace string, count int64) {
-	if c.config.Hook != nil {
-		c.config.Hook.OnEvent(ctx, Event{Kind: kind, Namespace: namespace, Count: count})
+	if c.config.Hook == nil {
+		return
 	}
+	defer func() {
+		if p := recover(); p != nil {
+			c.config.Logger.ErrorContext(ctx, "pgidem: Hook.OnEvent panicked; the event is lost, the call goes on",
+				slog.String("event", string(kind)), slog.String("namespace", namespace),
+				slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+		}
+	}()
+	c.config.Hook.OnEvent(ctx, Event{Kind: kind, Namespace: namespace, Count: count})
 }

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"reflect"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -202,7 +203,8 @@ type Outcome struct {
 
 // Hook receives an [Outcome] for every job execution the middleware handles, for metrics
 // and tracing. OnOutcome is called synchronously on the job's goroutine, from many
-// goroutines at once: it must be fast and safe for concurrent use.
+// goroutines at once: it must be fast and safe for concurrent use. A panic in OnOutcome
+// is recovered and logged at error ([Config.Logger]); the job's outcome stands.
 type Hook interface {
 	OnOutcome(ctx context.Context, outcome *Outcome)
 }
@@ -290,7 +292,8 @@ type Config struct {
 	ExcludeKinds []string
 
 	// Logger receives the middleware's warnings (job-id fallback once per kind, TTL checks,
-	// lease loss). Default: the coordinator's [pgidem.Config.Logger].
+	// lease loss) and errors (a panic in the Hook). Default: the coordinator's
+	// [pgidem.Config.Logger].
 	Logger *slog.Logger
 
 	// Hook receives an [Outcome] for every execution. Default: none.
@@ -567,12 +570,22 @@ func (m *Middleware) Work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	return out.Err
 }
 
-// report counts out in Stats and hands it to the Hook.
+// report counts out in Stats and hands it to the Hook. A panic in the Hook is logged and
+// goes no further: a metrics bug must neither count the execution twice (Work's recover
+// would take it for the job's panic) nor make River retry a job whose effect is recorded.
 func (m *Middleware) report(ctx context.Context, out *Outcome) {
 	m.record(out)
-	if m.config.Hook != nil {
-		m.config.Hook.OnOutcome(ctx, out)
+	if m.config.Hook == nil {
+		return
 	}
+	defer func() {
+		if p := recover(); p != nil {
+			m.config.Logger.ErrorContext(ctx, "pgidemriver: Hook.OnOutcome panicked; the job's outcome stands",
+				slog.Int64("job_id", out.Job.ID), slog.String("job_kind", out.Job.Kind), slog.String("action", string(out.Action)),
+				slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+		}
+	}()
+	m.config.Hook.OnOutcome(ctx, out)
 }
 
 func (m *Middleware) record(out *Outcome) {
@@ -647,7 +660,9 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	// pgidem with cause ErrLeaseLost.
 	budget := m.config.SQLTimeout
 	if m.config.InFlight == pgidem.InFlightWait {
-		budget += m.config.WaitTimeout
+		// Saturating: a huge WaitTimeout ("as long as it takes") must not wrap negative,
+		// which would fire the timer at once and never start a worker.
+		budget = saturatingSum(budget, m.config.WaitTimeout)
 	}
 	reserveCtx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -800,7 +815,7 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	case ctx.Err() == nil && context.Cause(reserveCtx) == errReserveTimeout:
 		out.Action = ActionError
 		limit := fmt.Sprintf("Config.SQLTimeout %s", m.config.SQLTimeout)
-		if budget != m.config.SQLTimeout {
+		if m.config.InFlight == pgidem.InFlightWait {
 			limit += fmt.Sprintf(" + Config.WaitTimeout %s", m.config.WaitTimeout)
 		}
 		return fmt.Errorf("pgidemriver: job %d (%s): reservation exceeded %s: %w", job.ID, job.Kind, limit, context.DeadlineExceeded)

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"strings"
 	"sync"
@@ -870,4 +871,57 @@ func workUntilCancelled(b *bundle, mw *pgidemriver.Middleware, orderID int) (run
 		})
 	}()
 	return running, cancelled, errCh
+}
+
+// A huge WaitTimeout or SQLTimeout ("as long as it takes") under InFlightWait used to wrap
+// the reservation budget negative: the timer fired at once, no worker ever started, and
+// every job failed. The budget now saturates.
+func TestHugeTimeoutsUnderWait(t *testing.T) {
+	t.Parallel()
+	for name, cfg := range map[string]pgidemriver.Config{
+		"WaitTimeout": {InFlight: pgidem.InFlightWait, WaitTimeout: math.MaxInt64},
+		"SQLTimeout":  {InFlight: pgidem.InFlightWait, SQLTimeout: math.MaxInt64},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			mw, _ := b.invoiceMiddleware(t, &cfg)
+			ran := false
+			err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":1}`), func(context.Context) error { ran = true; return nil })
+			require.NoError(t, err)
+			require.True(t, ran)
+			require.EqualValues(t, 1, mw.Stats().Executed)
+		})
+	}
+}
+
+// A Hook that panics is a metrics bug, not the job's: the panic is logged, the execution is
+// counted once, and the job's result stands (it used to be counted as executed and as an
+// error, and River got a panic for a job whose effect was recorded).
+func TestHookPanicIsContained(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var logs syncBuffer
+	var calls []pgidemriver.Action
+	mw, err := pgidemriver.NewMiddleware(b.coord, &pgidemriver.Config{
+		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+		Hook: pgidemriver.HookFunc(func(_ context.Context, o *pgidemriver.Outcome) {
+			calls = append(calls, o.Action)
+			panic("metrics exporter bug")
+		}),
+	})
+	require.NoError(t, err)
+	mw.Register(InvoiceArgs{})
+	for range 2 {
+		require.NotPanics(t, func() {
+			require.NoError(t, mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":1}`), func(context.Context) error { return nil }))
+		})
+	}
+	require.Equal(t, []pgidemriver.Action{pgidemriver.ActionExecuted, pgidemriver.ActionReplayed}, calls)
+	stats := mw.Stats()
+	require.EqualValues(t, 1, stats.Executed)
+	require.EqualValues(t, 1, stats.Replayed)
+	require.Zero(t, stats.Errors)
+	require.Contains(t, logs.String(), "Hook.OnOutcome panicked")
+	require.Contains(t, logs.String(), "metrics exporter bug")
 }

@@ -112,13 +112,20 @@ func StoreDefault(status int) bool {
 }
 
 // FingerprintDefault is the default [Config.Fingerprint]: the SHA-256 of the method, the
-// escaped path, the raw query and the body. A key reused on another endpoint, or with
-// another body, is answered with 422 (the draft, section 2.7). Request headers (Host,
+// escaped path, the raw query and the body. The path and query are those the client sent
+// (the request target, r.RequestURI), not r.URL, which a router may have rewritten: two
+// endpoints mounted with http.StripPrefix both see "/new" in r.URL.Path. A request with
+// no RequestURI (built by a client, not received by a server) uses r.URL. A key reused on
+// another endpoint, or with another body, is answered with 422 (the draft, section 2.7). Request headers (Host,
 // Content-Type) are not part of it: an API that serves several hosts or representations
 // under one principal should include them in its own FingerprintFunc.
 func FingerprintDefault(r *http.Request, body []byte) []byte {
+	path, query := r.URL.EscapedPath(), r.URL.RawQuery
+	if target, err := url.ParseRequestURI(r.RequestURI); err == nil && target.Opaque == "" {
+		path, query = target.EscapedPath(), target.RawQuery
+	}
 	h := sha256.New()
-	for _, part := range []string{r.Method, r.URL.EscapedPath(), r.URL.RawQuery} {
+	for _, part := range []string{r.Method, path, query} {
 		h.Write([]byte(strconv.Itoa(len(part)) + ":" + part + "\n"))
 	}
 	h.Write(body)
@@ -151,8 +158,11 @@ type Config struct {
 	// not run. Default false: such a request passes to the handler unprotected.
 	Required bool
 
-	// Methods are the request methods the middleware applies to, in upper case; other
-	// requests pass to the handler untouched, with or without a key. Default POST and PATCH, the
+	// Methods are the request methods the middleware applies to, in upper case, and it
+	// applies to them in any case a client sends ("post" too: methods are case-sensitive,
+	// RFC 9110, section 9.1, but a handler that does not check the method would run it
+	// as a POST); the fingerprint keeps the method as sent. Other requests pass to the
+	// handler untouched, with or without a key. Default POST and PATCH, the
 	// non-idempotent methods the draft is for (GET, PUT and DELETE are idempotent by
 	// definition, RFC 9110 section 9.2.2), when nil; [New] refuses an empty non-nil list and
 	// a method not in upper case.
@@ -504,7 +514,10 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 // when the server's writer cannot hijack (HTTP/2). Safe for concurrent use.
 func (m *Middleware) Handler(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if !m.methods[r.Method] {
+		// Without regard to case: methods are case-sensitive (RFC 9110, section 9.1), so
+		// "post" is not POST, but a handler that does not check the method would run it as
+		// one, unprotected and past Required.
+		if !m.methods[r.Method] && !m.methods[strings.ToUpper(r.Method)] {
 			next.ServeHTTP(w, r)
 			return
 		}
@@ -904,6 +917,15 @@ func (rec *recorder) capture(code int) {
 		rec.declared = n
 	}
 	for _, name := range rec.replay {
+		if values, ok := h[name]; ok && len(values) == 0 {
+			// Present without a value: the handler suppressed a header net/http would add
+			// (Content-Type: nil turns off sniffing). The replay does the same.
+			if rec.stored.Header == nil {
+				rec.stored.Header = http.Header{}
+			}
+			rec.stored.Header[name] = []string{}
+			continue
+		}
 		for _, v := range h[name] {
 			if !utf8.ValidString(v) || strings.IndexByte(v, 0) >= 0 {
 				continue

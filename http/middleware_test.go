@@ -1365,3 +1365,62 @@ func TestFormParsedOutsideEdges(t *testing.T) {
 	r.ContentLength = -1 // chunked
 	requireProblem(t, serve(h, r), http.StatusRequestEntityTooLarge, "request_too_large")
 }
+
+// The fingerprint holds the path the client sent, not r.URL.Path after a router rewrote it:
+// two endpoints under http.StripPrefix both see "/new", and the second used to replay the
+// first's response for the same key (a refund answered "payment charged").
+func TestFingerprintUsesTheRequestTarget(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	mw, err := pgidemhttp.New(b.coord, &pgidemhttp.Config{Principal: principalFromHeader})
+	require.NoError(t, err)
+	answer := func(text string) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, text)
+		})
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/payments/", http.StripPrefix("/payments", mw.Handler(answer("payment charged"))))
+	mux.Handle("/refunds/", http.StripPrefix("/refunds", mw.Handler(answer("refund issued"))))
+	require.Equal(t, "payment charged", serve(mux, request("POST", "/payments/new", "alice", `"k"`, `{"amount":5}`)).Body.String())
+	requireProblem(t, serve(mux, request("POST", "/refunds/new", "alice", `"k"`, `{"amount":5}`)), http.StatusUnprocessableEntity, "idempotency_key_reused")
+	replay := serve(mux, request("POST", "/payments/new", "alice", `"k"`, `{"amount":5}`))
+	require.Equal(t, "payment charged", replay.Body.String())
+	require.Equal(t, "true", replay.Header().Get(pgidemhttp.HeaderReplayed))
+}
+
+// A handler that turns content sniffing off (Content-Type: nil, net/http's way to send no
+// Content-Type) gets a replay without one too; the replay used to be sniffed, and a body
+// sent without a type came back labelled text/html.
+func TestSuppressedContentTypeStaysSuppressed(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	srv := httptest.NewServer(b.handler(t, nil, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header()["Content-Type"] = nil
+		_, _ = io.WriteString(w, "<html><script>x</script>")
+	})))
+	t.Cleanup(srv.Close)
+	first, _, err := postOver(t, srv, "/x", `"k"`)
+	require.NoError(t, err)
+	replay, body, err := postOver(t, srv, "/x", `"k"`)
+	require.NoError(t, err)
+	require.Equal(t, "true", replay.Header.Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, "<html><script>x</script>", body)
+	require.Empty(t, first.Header.Values("Content-Type"))
+	require.Empty(t, replay.Header.Values("Content-Type"))
+}
+
+// A method in another case than Config.Methods ("post") is protected like POST: a handler
+// that does not check the method would run it, and it used to pass unprotected, past
+// Required.
+func TestMethodCaseDoesNotBypass(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.handler(t, &pgidemhttp.Config{Required: true}, b.createOrder())
+	requireProblem(t, serve(h, request("post", "/orders", "alice", "", "x")), http.StatusBadRequest, "idempotency_key_missing")
+	serve(h, request("post", "/orders", "alice", `"k"`, "x"))
+	require.Equal(t, "true", serve(h, request("post", "/orders", "alice", `"k"`, "x")).Header().Get(pgidemhttp.HeaderReplayed))
+	require.Equal(t, int64(1), b.calls.Load())
+	requireProblem(t, serve(h, request("POST", "/orders", "alice", `"k"`, "x")), http.StatusUnprocessableEntity, "idempotency_key_reused")
+}

@@ -1,10 +1,7 @@
 package pgidem_test
 
 import (
-	"bytes"
 	"context"
-	"log/slog"
-	"sync"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -13,41 +10,19 @@ import (
 	"github.com/pgidem/pgidem/pgidem"
 )
 
-// lockedBuffer is a bytes.Buffer safe for the concurrent writes of a logger.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // A Hook that panics on every event does not cut the protocol short: each call below
 // reaches the end it would reach without a Hook (fn run once, the record completed, the
 // replay and the takeover as usual), and each panic is logged.
 func TestHookPanicIsContained(t *testing.T) {
 	t.Parallel()
-	var logs lockedBuffer
-	var mu sync.Mutex
-	var events []pgidem.EventKind
-	b := setup(t, &pgidem.Config{
-		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
-		Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
-			mu.Lock()
-			events = append(events, e.Kind)
-			mu.Unlock()
-			panic("metrics exporter bug")
-		}),
+	obs := &transitionObserver{}
+	cfg := obs.config(pgidem.Config{})
+	record := cfg.Hook
+	cfg.Hook = pgidem.HookFunc(func(ctx context.Context, e pgidem.Event) {
+		record.OnEvent(ctx, e)
+		panic("metrics exporter bug")
 	})
+	b := setup(t, cfg)
 	runs := 0
 	fn := func(context.Context) (string, error) { runs++; return "sent", nil }
 	for range 2 {
@@ -78,11 +53,10 @@ func TestHookPanicIsContained(t *testing.T) {
 	_, err = pgidem.Do(b.ctx, b.coord, "mail", "", testTTL, nil, fn)
 	require.ErrorIs(t, err, pgidem.ErrInvalidKey)
 
-	mu.Lock()
-	defer mu.Unlock()
+	events := append(obs.kinds("mail"), obs.kinds("ledger")...)
 	require.Contains(t, events, pgidem.EventExecuted)
 	require.Contains(t, events, pgidem.EventReplayed)
 	require.Contains(t, events, pgidem.EventTakenOver)
 	require.Contains(t, events, pgidem.EventInvalidKey)
-	require.Contains(t, logs.String(), "Hook.OnEvent panicked")
+	require.Contains(t, obs.logText(), "Hook.OnEvent panicked")
 }

@@ -16,6 +16,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -224,7 +225,7 @@ func (s *Server) DropStale(ctx context.Context, age time.Duration) ([]string, er
 		_, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize())
 		var pgErr *pgconn.PgError
 		switch {
-		case errors.As(err, &pgErr) && pgErr.Code == "55006": // object_in_use: someone still uses it
+		case errors.As(err, &pgErr) && pgErr.Code == pgerrcode.ObjectInUse: // someone still uses it
 		case err != nil:
 			return dropped, fmt.Errorf("drop stale database %s: %w", name, err)
 		default:

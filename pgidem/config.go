@@ -130,7 +130,8 @@ type Config struct {
 	// lockstep), and never exceeds PollIntervalMax, the holder's remaining lease or the
 	// time left to wait. Default [PollIntervalMinDefault] (10 ms); not negative.
 	PollIntervalMin time.Duration
-	// PollIntervalMax is the longest pause of that backoff. Default
+	// PollIntervalMax is the longest pause of that backoff, and the shortest slice of
+	// [DoTx]'s wait for a key's lock (see DoTx, Protocol). Default
 	// [PollIntervalMaxDefault] (1 s); at least PollIntervalMin, at most
 	// [PollIntervalMaxMax].
 	PollIntervalMax time.Duration

@@ -35,6 +35,8 @@ const (
 	// sqlIdleTimeout reads idle_in_transaction_session_timeout in milliseconds.
 	sqlIdleTimeout    = `SELECT setting::bigint FROM pg_catalog.pg_settings WHERE name = 'idle_in_transaction_session_timeout'`
 	sqlSetLockTimeout = `SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)`
+	// sqlDeadlockTimeout reads the session's deadlock_timeout in whole milliseconds.
+	sqlDeadlockTimeout = `SELECT (extract(epoch FROM current_setting('deadlock_timeout')::interval) * 1000)::bigint`
 )
 
 // dotxStatements holds DoTx's SQL with the table name quoted in.
@@ -160,9 +162,15 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // transaction that holds the lock only to replay, and stays open, does not hold up the
 // key's replays). Otherwise the in-flight policy decides: [InFlightRaise] returns an
 // [*InProgressError] at once; [InFlightWait] waits for the lock under SET LOCAL
-// lock_timeout, inside a savepoint, in waits of at most [Config.PollIntervalMax] between
-// which it reads the record again (a record that finished meanwhile replays at once), and
-// returns an [*InProgressError] with Waited set when the wait timeout passes. Either way tx stays usable: the savepoint is rolled back and
+// lock_timeout, inside a savepoint, in slices between which it reads the record again (a
+// record that finished meanwhile replays at once), and returns an [*InProgressError] with
+// Waited set when the wait timeout passes. A slice lasts [Config.PollIntervalMax] or twice
+// the session's deadlock_timeout (Postgres's default 1 s), whichever is longer, because
+// Postgres checks a lock wait for a deadlock only once it has lasted deadlock_timeout:
+// two transactions that take two keys (or a key and a row) in opposite order are
+// reported as a deadlock to one of them — a [*StoreError] for op "lock" that unwraps to a
+// *pgconn.PgError with SQLSTATE 40P01; roll that transaction back and retry it — and the
+// other goes on. Either way tx stays usable: the savepoint is rolled back and
 // lock_timeout is restored to the caller's value. The RetryAfter hint of a lock conflict
 // is [Config.PollIntervalMax] (there is no lease to measure), and its Attempts and
 // LeaseExpiresAt are zero.
@@ -171,7 +179,7 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // minute); it is unused under Raise. It is one budget for the whole call, counted from
 // when DoTx starts: the wait for the advisory lock and any polling of a Do holder's row
 // (below) both draw on it, and ctx bounds it too. lock_timeout is set to what remains of
-// it (or PollIntervalMax, whichever is less), rounded up to whole milliseconds.
+// it (or the slice, whichever is less), rounded up to whole milliseconds.
 //
 // Holding the lock, DoTx reads the record:
 //   - completed (or a stored permanent failure) and not expired: the fingerprint is
@@ -542,17 +550,26 @@ func (c *Coordinator) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *call, st
 	*waited = true
 	inProgress.Waited = true
 	c.emit(ctx, EventWaited, cl.namespace, 1)
+	// Postgres looks for a deadlock only once a lock wait has lasted deadlock_timeout, so
+	// every slice of the wait outlasts it twice over: two transactions that take two keys
+	// in opposite order are then reported as a deadlock (SQLSTATE 40P01) instead of both
+	// waiting out their whole budget.
+	var deadlockMS int64
+	if err := tx.QueryRow(ctx, sqlDeadlockTimeout).Scan(&deadlockMS); err != nil {
+		return r, false, c.logStoreError(ctx, cl, storeError("lock", err))
+	}
+	slice := max(c.config.PollIntervalMax, 2*time.Duration(deadlockMS)*time.Millisecond)
 	for {
 		remaining := cl.waitTimeout - time.Since(start)
 		if remaining <= 0 {
 			c.emit(ctx, EventInProgress, cl.namespace, 1)
 			return r, false, inProgress
 		}
-		// The lock is waited for in slices of at most PollIntervalMax (lock_timeout has a
-		// ceiling too), reading the record between them: the lock's holder may keep it
-		// long after the record finished (a transaction that replayed and stays open),
-		// and a finished record replays without the lock.
-		wait := min(remaining, lockTimeoutMax, c.config.PollIntervalMax)
+		// The lock is waited for in slices (lock_timeout has a ceiling too), reading the
+		// record between them: the lock's holder may keep it long after the record
+		// finished (a transaction that replayed and stays open), and a finished record
+		// replays without the lock.
+		wait := min(remaining, lockTimeoutMax, slice)
 		err := c.txWaitLock(ctx, tx, cl, id, wait)
 		if err == nil {
 			return c.txRead(ctx, tx, cl)

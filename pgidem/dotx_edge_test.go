@@ -8,11 +8,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -348,6 +350,64 @@ func TestDoTxWaitTimeoutAboveLockTimeoutMax(t *testing.T) {
 	require.NoError(t, early, "a long wait timeout must wait, not fail")
 	cancel()
 	require.ErrorIs(t, <-done, context.Canceled)
+}
+
+// Two transactions that take two keys in opposite order: Postgres reports the deadlock to
+// one of them (40P01, as a *StoreError) and the other commits. DoTx used to wait for the
+// lock in slices no longer than deadlock_timeout, so the server never looked for the
+// cycle, and both waited out their whole WaitTimeout and failed with ErrInProgress.
+func TestDoTxOppositeLockOrderIsADeadlock(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	opts := &pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: 15 * time.Second}
+
+	var holding sync.WaitGroup // both transactions hold their first key
+	holding.Add(2)
+	run := func(first, second string) error {
+		tx, err := b.db.Pool.Begin(b.ctx)
+		if err != nil {
+			holding.Done()
+			return err
+		}
+		defer tx.Rollback(context.Background()) //nolint:errcheck // a no-op after Commit
+		_, err = pgidem.DoTx(b.ctx, b.coord, tx, "ledger", first, testTTL, opts,
+			func(ctx context.Context, tx pgx.Tx) (string, error) {
+				holding.Done()
+				holding.Wait()
+				return pgidem.DoTx(ctx, b.coord, tx, "ledger", second, testTTL, opts,
+					func(ctx context.Context, tx pgx.Tx) (string, error) { return first + second, nil })
+			})
+		if err != nil {
+			return err
+		}
+		return tx.Commit(b.ctx)
+	}
+	errs := make(chan error, 2)
+	go func() { errs <- run("a", "b") }()
+	go func() { errs <- run("b", "a") }()
+
+	var deadlocks, commits int
+	for range 2 {
+		select {
+		case err := <-errs:
+			var pgErr *pgconn.PgError
+			var storeErr *pgidem.StoreError
+			switch {
+			case err == nil:
+				commits++
+			case errors.As(err, &storeErr) && errors.As(err, &pgErr) && pgErr.Code == "40P01":
+				deadlocks++
+			default:
+				t.Errorf("want a deadlock (40P01) or a commit, got %v", err)
+			}
+		case <-time.After(time.Minute):
+			t.Fatal("the transactions did not finish")
+		}
+	}
+	require.Equal(t, 1, deadlocks)
+	require.Equal(t, 1, commits)
+	require.NotNil(t, b.lookup(t, "ledger", "a"))
+	require.NotNil(t, b.lookup(t, "ledger", "b"))
 }
 
 // ---------------------------------------------------------------------------------------

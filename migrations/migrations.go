@@ -41,7 +41,9 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/lock"
@@ -106,7 +108,7 @@ func FS() fs.FS {
 type Opts struct {
 	// Schema, when non-empty, is the schema pgidem's tables and version table live in. It
 	// must pass [CheckSchemaName] (at most [SchemaMaxLen] bytes, valid UTF-8, no control
-	// character, not only white space); otherwise every function returns an error. It is
+	// character, not only white space, not "$user"); otherwise every function returns an error. It is
 	// quoted, so any other name works (mixed case, spaces). The connections of the *sql.DB must already have it as their current schema
 	// (see [OpenDB]); otherwise every function returns an error instead of creating the
 	// tables elsewhere.
@@ -141,9 +143,11 @@ const SchemaMaxLen = 63
 
 // CheckSchemaName returns an error saying why schema cannot be pgidem's schema name, or
 // nil: it must be valid UTF-8 without NUL or other control characters, not only white
-// space, and at most [SchemaMaxLen] bytes (Postgres would silently truncate a longer name).
-// These are the rules of pgidem.Config.Schema too, so a schema Up creates is one the
-// coordinator accepts. The empty string (the default schema) is valid.
+// space, at most [SchemaMaxLen] bytes (Postgres would silently truncate a longer name),
+// and not "$user" (search_path reads it, quoted or not, as the role's name).
+// pgidem.Config.Schema follows the same rules (except the last: the coordinator qualifies
+// its table names, so a schema named "$user" would work there), so a schema Up creates is
+// one the coordinator accepts. The empty string (the default schema) is valid.
 func CheckSchemaName(schema string) error {
 	switch {
 	case schema == "":
@@ -156,6 +160,8 @@ func CheckSchemaName(schema string) error {
 		return fmt.Errorf("%q contains a control character", schema)
 	case strings.TrimSpace(schema) == "":
 		return fmt.Errorf("%q is only white space", schema)
+	case schema == "$user":
+		return fmt.Errorf("%q stands for the role's own schema in a search_path, so no connection can have a schema of that name as its current schema", schema)
 	}
 	return nil
 }
@@ -400,7 +406,8 @@ func checkManagedHere(ctx context.Context, db *sql.DB) error {
 // schema, in one transaction: when it is not, the transaction rolls back and nothing is
 // created. To create the schema the transaction first takes [LockID] as a transaction
 // lock, so concurrent callers create it one after the other (CREATE SCHEMA IF NOT EXISTS
-// alone fails with a unique violation when two run at once); it is released at commit,
+// alone fails with a unique violation when two run at once, so a caller that met a
+// session not taking the lock calls it again); it is released at commit,
 // before goose takes the same id as a session lock. It waits for the lock at most as
 // long as goose does ([LockRetryAttempts] × [LockRetryPeriodSeconds]), whatever the
 // session's statement_timeout. An existing schema takes no lock.
@@ -465,7 +472,14 @@ func Up(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, 
 		if err := checkSchemaName("Opts.Schema", opts.Schema); err != nil {
 			return nil, err
 		}
-		if err := createSchema(ctx, db, opts.Schema); err != nil {
+		err := createSchema(ctx, db, opts.Schema)
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == pgerrcode.UniqueViolation {
+			// A session that does not take LockID (River's migrator, an operator) created
+			// the schema while this one waited to: it exists now.
+			err = createSchema(ctx, db, opts.Schema)
+		}
+		if err != nil {
 			return nil, err
 		}
 	}

@@ -172,6 +172,41 @@ func TestConcurrentUpWithSchema(t *testing.T) {
 	}
 }
 
+// Another session creating Opts.Schema at the same moment without LockID (River's
+// migrator, an operator): Up's CREATE SCHEMA IF NOT EXISTS waits for it and then fails with
+// a unique violation, after which Up finds the schema and goes on. It used to fail.
+func TestUpSchemaCreatedMeanwhile(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tdb := testdb.NewUnmigrated(t)
+	const schema = "created meanwhile"
+	other, err := tdb.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer other.Rollback(ctx) //nolint:errcheck // committed below
+	_, err = other.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize())
+	require.NoError(t, err)
+
+	done := make(chan error, 1)
+	go func() {
+		_, err := migrations.Up(ctx, open(t, tdb.URL, schema), &migrations.Opts{Schema: schema})
+		done <- err
+	}()
+	require.Eventually(t, func() bool { // Up waits for the other transaction
+		var waiting bool
+		err := tdb.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE NOT l.granted AND l.locktype = 'transactionid' AND a.datname = current_database())`).Scan(&waiting)
+		return err == nil && waiting
+	}, 30*time.Second, 5*time.Millisecond)
+	require.NoError(t, other.Commit(ctx))
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(time.Minute):
+		t.Fatal("Up did not return")
+	}
+	require.True(t, tableExists(t, open(t, tdb.URL, ""), schema, "pgidem_record"))
+}
+
 // TestSchemaNotCreated checks that only Up creates Opts.Schema, and only when it can use
 // it: Status, Down and NewProvider report a missing schema, and Up refusing a connection
 // whose current schema is another leaves nothing behind.
@@ -381,10 +416,10 @@ func TestInvalidArguments(t *testing.T) {
 
 func TestCheckSchemaName(t *testing.T) {
 	t.Parallel()
-	for _, bad := range []string{"idem\tstore", "a\x00b", "\xff", "   ", strings.Repeat("s", migrations.SchemaMaxLen+1)} {
+	for _, bad := range []string{"idem\tstore", "a\x00b", "\xff", "   ", "$user", strings.Repeat("s", migrations.SchemaMaxLen+1)} {
 		require.Error(t, migrations.CheckSchemaName(bad), "%q", bad)
 	}
-	for _, good := range []string{"", "idem", "Idem Store", `q"x`, strings.Repeat("s", migrations.SchemaMaxLen)} {
+	for _, good := range []string{"", "idem", "Idem Store", `q"x`, "$USER", "$user2", strings.Repeat("s", migrations.SchemaMaxLen)} {
 		require.NoError(t, migrations.CheckSchemaName(good), "%q", good)
 	}
 }

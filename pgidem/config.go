@@ -97,8 +97,8 @@ type Config struct {
 	// through the connection's search_path. Quoted with pgx.Identifier, never spliced, so
 	// any name works; it must be valid UTF-8 without NUL or other control characters, not
 	// only white space, and at most [SchemaMaxBytes] bytes (the rules of
-	// migrations.CheckSchemaName), or NewCoordinator returns an error matching
-	// [ErrInvalidArgument].
+	// migrations.CheckSchemaName, which also refuses "$user"), or NewCoordinator returns an
+	// error matching [ErrInvalidArgument].
 	Schema string
 
 	// Lease is how long a reservation stays owned without a heartbeat. The holder renews it

@@ -185,7 +185,7 @@ func checkNotEmptyFlag(cmd *cobra.Command, name, value, omitted string) error {
 
 // checkSchemaFlag returns a usage error when schema, the value of the flag called name,
 // cannot be pgidem's schema (migrations.CheckSchemaName: the rules of
-// pgidem.Config.Schema). "" (the search_path) is valid.
+// pgidem.Config.Schema, and not "$user"). "" (the search_path) is valid.
 func checkSchemaFlag(name, schema string) error {
 	if err := migrations.CheckSchemaName(schema); err != nil {
 		return usagef("%s %v", name, err)

@@ -18,6 +18,7 @@ package pgidemotel
 import (
 	"context"
 	"fmt"
+	"reflect"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -58,9 +59,11 @@ var _ pgidem.Hook = (*Hook)(nil)
 
 // NewHook creates the [EventsMetric] and [SweptMetric] counters on a meter named
 // [MeterName] from provider. It returns an error matching [pgidem.ErrInvalidArgument]
-// when provider is nil, and the provider's error when a counter cannot be created.
+// when provider is nil (also a nil pointer in the interface, such as a
+// (*sdkmetric.MeterProvider)(nil)), and the provider's error when a counter cannot be
+// created.
 func NewHook(provider metric.MeterProvider) (*Hook, error) {
-	if provider == nil {
+	if provider == nil || isNilPointer(provider) {
 		return nil, fmt.Errorf("pgidemotel: NewHook: provider is nil: %w", pgidem.ErrInvalidArgument)
 	}
 	meter := provider.Meter(MeterName)
@@ -77,6 +80,13 @@ func NewHook(provider metric.MeterProvider) (*Hook, error) {
 		return nil, fmt.Errorf("pgidemotel: NewHook: create counter %s: %w", SweptMetric, err)
 	}
 	return &Hook{events: events, swept: swept}, nil
+}
+
+// isNilPointer reports whether v holds a nil pointer, which most providers' methods
+// dereference.
+func isNilPointer(v any) bool {
+	rv := reflect.ValueOf(v)
+	return rv.Kind() == reflect.Pointer && rv.IsNil()
 }
 
 // OnEvent adds event.Count to [SweptMetric] for [pgidem.EventSwept], and to

@@ -74,6 +74,8 @@ func TestHookCountsOutcomes(t *testing.T) {
 
 	_, err = pgidemotel.NewHook(nil)
 	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	_, err = pgidemotel.NewHook((*sdkmetric.MeterProvider)(nil)) // used to panic
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 	var zero pgidemotel.Hook // counts nothing rather than panic
 	zero.OnEvent(context.Background(), pgidem.Event{Kind: pgidem.EventExecuted, Namespace: "mail", Count: 1})
 	(*pgidemotel.Hook)(nil).OnEvent(context.Background(), pgidem.Event{Kind: pgidem.EventSwept, Count: 1})

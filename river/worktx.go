@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"reflect"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -85,16 +86,17 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 //     once under [pgidem.InFlightRaise]): river.JobSnooze with the retry-after hint
 //     clamped to [SnoozeMinDefault] and [SnoozeMaxDefault], which uses no attempt; the next
 //     delivery replays.
-//   - a [pgidem.Permanent] error from fn: the failure is written in tx (fn's writes are
-//     undone) and river.JobCancel wrapping it is returned, matching pgidem.ErrPermanent:
+//   - a [pgidem.Permanent] error from fn (whatever else its chain wraps, pgidem sentinels
+//     included): the failure is written in tx (fn's writes are undone) and
+//     river.JobCancel wrapping it is returned, matching pgidem.ErrPermanent:
 //     commit tx to keep the failure, and River stops; later jobs with the key replay the
 //     failure and are cancelled too. (A replayed stored failure, or one that could not be
 //     stored, is returned the same way; committing then writes nothing.) An error of fn's
 //     that matches ErrPermanent only through a failure a nested pgidem call replayed
 //     carries no Permanent error: it is an ordinary error of fn's, as above.
 //   - the job is no longer running when WorkTx completes it (River's rescuer made it
-//     retryable or discarded it meanwhile; river.JobCompleteTx then changes nothing): an
-//     error matching [ErrJobNotRunning]. (A job cancelled with River's JobCancel while it
+//     retryable or discarded it meanwhile, or a parallel execution of it snoozed it;
+//     river.JobCompleteTx then changes nothing): an error matching [ErrJobNotRunning]. (A job cancelled with River's JobCancel while it
 //     runs has its context cancelled instead, and WorkTx returns the context's error.)
 //     Roll back, or the effect commits without the completion; wherever River runs the
 //     job next, the effect runs there. A discarded job (the rescuer, on its last attempt)
@@ -130,26 +132,44 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 	if c == nil || tx == nil || job == nil {
 		return res, false, invalid("WorkTx: coordinator, transaction and job must not be nil")
 	}
-	res, err = pgidem.DoTxResult(ctx, c, tx, namespace, key, ttl, opts, fn)
+	// fnErr is what fn itself returned, so that fn's own error is told from pgidem's by
+	// where it came from, not by what it wraps: fn may wrap any pgidem sentinel.
+	var fnErr error
+	res, err = pgidem.DoTxResult(ctx, c, tx, namespace, key, ttl, opts, func(ctx context.Context, tx pgx.Tx) (T, error) {
+		v, err := fn(ctx, tx)
+		fnErr = err
+		return v, err
+	})
 	var inProgress *pgidem.InProgressError
 	switch {
+	case err == nil:
+	case sameError(err, fnErr):
+		// DoTx returned fn's error unchanged: an ordinary error (fn's writes undone), or a
+		// Permanent one whose failure DoTx has written in tx.
+		if errors.As(err, new(*pgidem.PermanentError)) {
+			return res, true, river.JobCancel(err)
+		}
+		return res, false, err
 	case errors.Is(err, pgidem.ErrInvalidArgument):
+		// pgidem's refusal: of the call before fn ran, or of a fn that ended tx itself
+		// (whatever fn returned, tx must be rolled back).
 		if ns, k, ok := pgidem.KeyFromContext(ctx); ok && ns == namespace && k == key {
 			// pgidem refused the key it holds for the middleware: say how to fix it.
 			return res, false, fmt.Errorf("pgidemriver: WorkTx: %s/%s is the key the middleware already reserved for job %d; "+
 				"add kind %q to Config.ExcludeKinds or use another namespace: %w", namespace, key, job.ID, job.Kind, err)
 		}
 		return res, false, err
-	case err == nil:
 	case errors.As(err, &inProgress):
 		// Clamped like the middleware's snooze: never a busy loop, never a whole lease.
 		return res, false, river.JobSnooze(min(max(inProgress.RetryAfter, SnoozeMinDefault), SnoozeMaxDefault))
 	case isStoredFailure(res, err) || errors.As(err, new(*pgidem.PermanentError)):
-		// A stored failure replayed, or fn's pgidem.Permanent error (stored in tx, or not
-		// stored when pgidem says so). fn's error that matches ErrPermanent only through a
-		// failure a nested call replayed is an ordinary error: DoTx did not store it. So is
-		// a replayed result that does not decode (pgidem.ErrReplayNotDecodable): River
-		// retries, and a deploy that fixes the type lets the job replay.
+		// A stored failure replayed, or fn's pgidem.Permanent error that pgidem could not
+		// store (a top-level *FailureNotStoredError), or (when fn's error is of a type ==
+		// cannot compare, sameError) fn's own. fn's error that matches ErrPermanent only
+		// through a failure a nested call replayed is an ordinary error, returned above:
+		// DoTx did not store it. So is a replayed result that does not decode
+		// (pgidem.ErrReplayNotDecodable): River retries, and a deploy that fixes the type
+		// lets the job replay.
 		_, notStored := err.(*pgidem.FailureNotStoredError)
 		return res, !res.Replayed && !notStored, river.JobCancel(err)
 	default:
@@ -164,7 +184,7 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 		// River leaves a job that is no longer running as it is and returns it without an
 		// error: the rescuer made it retryable or discarded it meanwhile. Committing would
 		// keep the effect without the completion.
-		if completed.State != rivertype.JobStateRetryable && completed.State != rivertype.JobStateAvailable {
+		if !runsAgain(completed.State) {
 			// Discarded (the rescuer, on the last attempt) or cancelled: River runs it no
 			// more and drops this error, so only the log can tell that its effect is
 			// rolled back and will not run unless the job is retried by hand.
@@ -176,6 +196,27 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 			job.ID, completed.State, ErrJobNotRunning)
 	}
 	return res, false, nil
+}
+
+// runsAgain reports whether River works a job in state again by itself: a retryable or
+// available job (the rescuer's), a scheduled one (a snooze, river.JobSnooze, of a parallel
+// execution) and a pending one.
+func runsAgain(state rivertype.JobState) bool {
+	switch state {
+	case rivertype.JobStateRetryable, rivertype.JobStateAvailable, rivertype.JobStateScheduled, rivertype.JobStatePending:
+		return true
+	}
+	return false
+}
+
+// sameError reports whether err is fnErr itself, as DoTx returns fn's error. An error
+// whose type == cannot compare (a struct holding a slice, say) is never the same: the
+// callers then judge err by its chain.
+func sameError(err, fnErr error) bool {
+	if err == nil || fnErr == nil || !reflect.TypeOf(fnErr).Comparable() {
+		return false
+	}
+	return err == fnErr
 }
 
 // isStoredFailure reports whether err is the key's own stored failure, replayed.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -116,6 +117,35 @@ func TestWorkTx(t *testing.T) {
 		})
 	}
 
+	// A parallel execution snoozed the job (river.JobSnooze writes it scheduled) while
+	// this one was in its transaction: River runs it again, so it is no error to log.
+	t.Run("JobSnoozedMeanwhile", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		_, err := b.db.Pool.Exec(b.ctx, shipmentsSchema)
+		require.NoError(t, err)
+		var logs syncBuffer
+		coord, err := pgidem.NewCoordinator(b.db.Pool, &pgidem.Config{Lease: testLease, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		require.NoError(t, err)
+		errs := make(chan error, 4)
+		var snoozed atomic.Bool
+		workers := river.NewWorkers()
+		river.AddWorker(workers, &shipWorker{coord: coord, begin: b.db.Pool.Begin, errs: errs, inTx: func(ctx context.Context, jobID int64) {
+			if snoozed.CompareAndSwap(false, true) {
+				_, err := b.db.Pool.Exec(ctx, "UPDATE river_job SET state = 'scheduled', scheduled_at = now() + interval '200 milliseconds' WHERE id = $1", jobID)
+				require.NoError(t, err)
+			}
+		}})
+		b.startClient(t, riverConfig(t, workers))
+		id := b.insert(t, ShipArgs{OrderID: 9}, nil)
+		require.ErrorIs(t, <-errs, pgidemriver.ErrJobNotRunning)
+		b.waitJob(t, id, rivertype.JobStateCompleted)
+		shipments, record, _ := b.shipState(t, id)
+		require.Equal(t, 1, shipments)
+		require.True(t, record)
+		require.NotContains(t, logs.String(), "will not run again")
+	})
+
 	t.Run("CrashMidTransaction", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
@@ -198,15 +228,20 @@ func testWorkTxJobNoLongerRunning(t *testing.T, begin func(b *bundle) func(conte
 }
 
 // WorkInTx keeps a fresh permanent failure although fn's error wraps pgidem errors of its
-// own (a nested call's replayed failure, a store error): whether the failure was stored is
-// pgidem's answer, not a guess from fn's error chain. It used to roll such a failure back,
-// so the next job ran fn again.
+// own (a nested call's replayed failure, a store error, a refusal, an in-progress answer):
+// whether the failure was stored is pgidem's answer, not a guess from fn's error chain. It
+// used to roll such a failure back, so the next job ran fn again.
 func TestWorkInTxKeepsFreshFailure(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	for i, inner := range []error{
 		&pgidem.StoredFailureError{Namespace: "streets", Key: "s-1", Message: "no such street"},
 		&pgidem.StoreError{Op: "lookup", Err: errors.New("injected")},
+		// A nested call's refusal or in-progress answer, judged permanent by fn: these used
+		// to be taken for WorkTx's own (returned as is, or snoozed), and the stored failure
+		// rolled back, so River retried fn until it discarded the job.
+		pgidem.ErrInvalidArgument,
+		&pgidem.InProgressError{Namespace: "streets", Key: "s-1", RetryAfter: time.Second},
 	} {
 		key := fmt.Sprintf("order-%d.ship", 30+i)
 		runs := 0
@@ -254,6 +289,29 @@ func TestWorkTxNestedReplayedFailureIsOrdinary(t *testing.T) {
 	require.Equal(t, 2, runs, "nothing was stored, so the second job runs fn again")
 	_, err := b.coord.Lookup(b.ctx, "orders", "order-50.ship")
 	require.ErrorIs(t, err, pgidem.ErrNotFound)
+}
+
+// A fn that ends the transaction it was given has its Permanent error refused with the
+// transaction: WorkTx says roll back (pgidem.ErrInvalidArgument), not commit and cancel,
+// since fn's writes may already be in tx and nothing was recorded.
+func TestWorkTxFnEndingTxRollsBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	tx, err := b.db.Pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(b.ctx) //nolint:errcheck // the test's own
+	j := &river.Job[ShipArgs]{JobRow: &rivertype.JobRow{ID: 300, Kind: "order.ship", State: rivertype.JobStateRunning}}
+	_, err = pgidemriver.WorkTx(b.ctx, b.coord, tx, j, "orders", "order-60.ship", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (int, error) {
+			if err := tx.Rollback(ctx); err != nil {
+				return 0, err
+			}
+			return 0, pgidem.Permanent(errors.New("out of stock"))
+		})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.ErrorIs(t, err, pgidem.ErrPermanent, "fn's error is attached")
+	require.False(t, errors.As(err, new(*river.JobCancelError)), "not cancelled: %v", err)
+	require.False(t, pgidemriver.ShouldCommit(err))
 }
 
 func TestShouldCommit(t *testing.T) {

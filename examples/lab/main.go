@@ -220,7 +220,7 @@ func (l *lab) scene3(ctx context.Context) ([]row, error) {
 		key  func(d delivery) string
 	}{
 		{"key = job id", func(d delivery) string { return fmt.Sprintf("job-%d", d.jobID) }},
-		{"key = order-9:invoice", func(d delivery) string { return fmt.Sprintf("order-%d:invoice", d.order) }},
+		{"key = order-9:invoice (no reserved chars)", func(d delivery) string { return fmt.Sprintf("order-%d:invoice", d.order) }},
 		{"key = order-9.invoice", func(d delivery) string { return fmt.Sprintf("order-%d.invoice", d.order) }},
 		{`key = "order-9\x00invoice" (invalid)`, func(d delivery) string { return fmt.Sprintf("order-%d\x00invoice", d.order) }},
 	} {

@@ -296,7 +296,7 @@ func (d *demo) invoices(ctx context.Context) ([]Row, error) {
 		Scan(&r.Mails, &r.Invoices); err != nil {
 		return nil, err
 	}
-	fmt.Fprintf(d.w, "  %-44s mails sent=%d invoice rows=%d (WorkInTx) expired records swept=%d\n", r.Name, r.Mails, r.Invoices, r.Swept)
+	fmt.Fprintf(d.w, "  %-44s mails sent=%d invoice rows=%d (WorkInTx) planted expired records swept=%d\n", r.Name, r.Mails, r.Invoices, r.Swept)
 	return []Row{r}, nil
 }
 
@@ -592,7 +592,7 @@ func (d *demo) scene3(ctx context.Context) ([]Row, error) {
 		name, queue, keyStyle string
 	}{
 		{"key = job id", "scene3-jobid", ""},
-		{"key = order-9:invoice", "scene3-colon", "colon"},
+		{"key = order-9:invoice (no reserved chars)", "scene3-colon", "colon"},
 		{"key = order-9.invoice", "scene3-dot", ""},
 		{`key = "order-9\x00invoice" (invalid)`, "scene3-nul", "nul"},
 	} {

@@ -57,7 +57,7 @@ func TestRiverWorker(t *testing.T) {
 	require.Equal(t, map[string]string{"A": "em_1", "B": "in progress, snoozed", "C": "em_1 (replayed)"}, raise.Receipts)
 
 	require.Equal(t, 2, byName["key = job id"].Mails)
-	require.Equal(t, 1, byName["key = order-9:invoice"].Mails)
+	require.Equal(t, 1, byName["key = order-9:invoice (no reserved chars)"].Mails)
 	require.Equal(t, 1, byName["key = order-9.invoice"].Mails)
 	invalid := byName[`key = "order-9\x00invoice" (invalid)`]
 	require.ErrorIs(t, invalid.Err, pgidem.ErrInvalidKey)

@@ -4,7 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log"
-	"testing"
+	"strings"
 	"time"
 
 	"github.com/pgidem/pgidem/internal/testdb"
@@ -22,11 +22,23 @@ func sendInvoice(ctx context.Context, coord *pgidem.Coordinator, order int, sent
 		})
 }
 
+// printT stands in for a test function's *testing.T here: it prints what a failing
+// helper reports, where t would fail the test (without the record's expiry time, which
+// differs from run to run).
+type printT struct{}
+
+func (printT) Errorf(format string, args ...any) {
+	msg, _, _ := strings.Cut(fmt.Sprintf(format, args...), ", expires")
+	fmt.Println(msg)
+}
+func (printT) FailNow() {}
+func (printT) Helper()  {}
+
 // A test delivers the same work twice and asks the record what happened: completed once,
-// with the first delivery's receipt. In a test function, pass its *testing.T as tb.
+// with the first delivery's receipt. In a test, pass the test function's t as tb.
 func ExampleRequireCompleted() {
 	ctx := context.Background()
-	db, drop, err := testdb.Create(ctx, true) // a fresh database with pgidem's migrations
+	db, drop, err := testdb.Create(ctx, true) // in your tests: a database with pgidem's migrations
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -42,12 +54,17 @@ func ExampleRequireCompleted() {
 			log.Fatal(err)
 		}
 	}
+	fmt.Println("mails sent:", sent)
 
-	var tb testing.TB = &testing.T{} // a test function's t
-	rec := pgidemtest.RequireCompleted(ctx, tb, coord, "mail", "order-9.invoice",
-		&pgidemtest.RequireOpts{Attempts: 1, Result: "em_1"})
-	pgidemtest.RequireNoRecord(ctx, tb, coord, "mail", "order-10.invoice")
-	fmt.Printf("mails sent: %d, record %s with %s\n", sent, rec.Status, rec.Result)
+	var t printT
+	rec := pgidemtest.RequireCompleted(ctx, t, coord, "mail", "order-9.invoice",
+		&pgidemtest.RequireOpts{Attempts: 1, Result: "em_1"}) // passes: prints nothing
+	fmt.Printf("record %s with %s\n", rec.Status, rec.Result)
+	pgidemtest.RequireNoRecord(ctx, t, coord, "mail", "order-10.invoice") // passes
+	// A wrong expectation fails the test and shows the record:
+	pgidemtest.RequireCompleted(ctx, t, coord, "mail", "order-9.invoice", &pgidemtest.RequireOpts{Result: "em_2"})
 	// Output:
-	// mails sent: 1, record completed with "em_1"
+	// mails sent: 1
+	// record completed with "em_1"
+	// pgidemtest: mail/order-9.invoice: want the result "em_2"; found status completed, attempts 1, result "em_1"
 }

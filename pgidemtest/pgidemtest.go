@@ -53,31 +53,36 @@ type RequireOpts struct {
 	// Result, when not nil, is the value a completed record must store
 	// ([RequireCompleted] only). It is encoded with encoding/json, as pgidem encodes the
 	// value fn returned, and compared with the stored JSON as a JSON value: object key
-	// order and spacing do not matter, numbers compare by value. A []byte or
-	// json.RawMessage holding JSON is taken as that JSON, so json.RawMessage("null")
-	// expects the result of an fn that returned a nil pointer, slice or map.
+	// order and spacing do not matter, numbers compare by exact value (1, 1.0 and 1e0
+	// are equal; the number 42 and the string "42" are not). A json.RawMessage is taken as
+	// the JSON it holds, so json.RawMessage("null") expects the result of an fn that
+	// returned a nil pointer, slice or map; a []byte is encoded (as base64) like any other
+	// value, as pgidem stores it. Given to [RequireFailed], it fails the test.
 	Result any
 
 	// Message, when not empty, is the text a failed record's stored error must have
 	// ([RequireFailed] only): the message of the error given to [pgidem.Permanent], as
-	// [pgidem.StoredFailureError] reports it (cut to 64 KiB when stored).
+	// [pgidem.StoredFailureError] reports it (cut to 64 KiB when stored). Given to
+	// [RequireCompleted], it fails the test.
 	Message string
 }
 
 // RequireCompleted fails tb unless the key has a completed record within its TTL that
-// passes opts, and returns that record. It fails tb, too, when the record cannot be read
-// (an invalid key, the store unreachable, pgidem's tables missing). Cancelling ctx stops
-// the read and fails tb.
+// passes opts, and returns that record (nil after failing tb, for a tb whose FailNow
+// returns). It fails tb, too, when the record cannot be read (an invalid key, the store
+// unreachable, pgidem's tables missing, a nil coordinator, or a nil tx given to a Tx form)
+// and when opts sets a field that does not apply. Cancelling ctx stops the read and fails
+// tb.
 func RequireCompleted(ctx context.Context, tb TestingT, c *pgidem.Coordinator, namespace, key string, opts *RequireOpts) *pgidem.Record {
 	tb.Helper()
-	return require(tb, pgidem.StatusCompleted, namespace, key, opts, lookup(ctx, c, nil, namespace, key))
+	return require(tb, pgidem.StatusCompleted, namespace, key, opts, lookup(ctx, c, false, nil, namespace, key))
 }
 
 // RequireCompletedTx is [RequireCompleted] reading inside tx, so it sees what tx has
 // written and not yet committed.
 func RequireCompletedTx(ctx context.Context, tb TestingT, c *pgidem.Coordinator, tx pgx.Tx, namespace, key string, opts *RequireOpts) *pgidem.Record {
 	tb.Helper()
-	return require(tb, pgidem.StatusCompleted, namespace, key, opts, lookup(ctx, c, tx, namespace, key))
+	return require(tb, pgidem.StatusCompleted, namespace, key, opts, lookup(ctx, c, true, tx, namespace, key))
 }
 
 // RequireFailed fails tb unless the key has a stored failure within its TTL (fn returned a
@@ -86,13 +91,13 @@ func RequireCompletedTx(ctx context.Context, tb TestingT, c *pgidem.Coordinator,
 // read. Cancelling ctx stops the read and fails tb.
 func RequireFailed(ctx context.Context, tb TestingT, c *pgidem.Coordinator, namespace, key string, opts *RequireOpts) *pgidem.Record {
 	tb.Helper()
-	return require(tb, pgidem.StatusFailed, namespace, key, opts, lookup(ctx, c, nil, namespace, key))
+	return require(tb, pgidem.StatusFailed, namespace, key, opts, lookup(ctx, c, false, nil, namespace, key))
 }
 
 // RequireFailedTx is [RequireFailed] reading inside tx.
 func RequireFailedTx(ctx context.Context, tb TestingT, c *pgidem.Coordinator, tx pgx.Tx, namespace, key string, opts *RequireOpts) *pgidem.Record {
 	tb.Helper()
-	return require(tb, pgidem.StatusFailed, namespace, key, opts, lookup(ctx, c, tx, namespace, key))
+	return require(tb, pgidem.StatusFailed, namespace, key, opts, lookup(ctx, c, true, tx, namespace, key))
 }
 
 // RequireNoRecord fails tb when the key has a record within its TTL, whatever its status:
@@ -101,14 +106,14 @@ func RequireFailedTx(ctx context.Context, tb TestingT, c *pgidem.Coordinator, tx
 // read and fails tb.
 func RequireNoRecord(ctx context.Context, tb TestingT, c *pgidem.Coordinator, namespace, key string) {
 	tb.Helper()
-	requireNone(tb, namespace, key, lookup(ctx, c, nil, namespace, key))
+	requireNone(tb, namespace, key, lookup(ctx, c, false, nil, namespace, key))
 }
 
 // RequireNoRecordTx is [RequireNoRecord] reading inside tx, so a record tx has written and
 // not yet committed counts.
 func RequireNoRecordTx(ctx context.Context, tb TestingT, c *pgidem.Coordinator, tx pgx.Tx, namespace, key string) {
 	tb.Helper()
-	requireNone(tb, namespace, key, lookup(ctx, c, tx, namespace, key))
+	requireNone(tb, namespace, key, lookup(ctx, c, true, tx, namespace, key))
 }
 
 // found is the outcome of one lookup.
@@ -117,13 +122,21 @@ type found struct {
 	err error          // a failed read, not ErrNotFound
 }
 
-func lookup(ctx context.Context, c *pgidem.Coordinator, tx pgx.Tx, namespace, key string) found {
+// lookup reads the record, inside tx when inTx.
+func lookup(ctx context.Context, c *pgidem.Coordinator, inTx bool, tx pgx.Tx, namespace, key string) found {
+	if c == nil {
+		return found{err: errors.New("the coordinator is nil")}
+	}
 	var rec *pgidem.Record
 	var err error
-	if tx != nil {
-		rec, err = c.LookupTx(ctx, tx, namespace, key)
-	} else {
+	switch {
+	case !inTx:
 		rec, err = c.Lookup(ctx, namespace, key)
+	case tx == nil:
+		// Reading through the pool instead would miss what the test's transaction holds.
+		return found{err: errors.New("the transaction is nil")}
+	default:
+		rec, err = c.LookupTx(ctx, tx, namespace, key)
 	}
 	if errors.Is(err, pgidem.ErrNotFound) {
 		return found{}
@@ -135,6 +148,10 @@ func require(tb TestingT, want pgidem.Status, namespace, key string, opts *Requi
 	tb.Helper()
 	name := namespace + "/" + key
 	switch {
+	case opts != nil && opts.Result != nil && want != pgidem.StatusCompleted:
+		tb.Errorf("pgidemtest: %s: RequireOpts.Result applies to a completed record (RequireCompleted) only", name)
+	case opts != nil && opts.Message != "" && want != pgidem.StatusFailed:
+		tb.Errorf("pgidemtest: %s: RequireOpts.Message applies to a failed record (RequireFailed) only", name)
 	case f.err != nil:
 		tb.Errorf("pgidemtest: %s: reading the record: %v", name, f.err)
 	case f.rec == nil:
@@ -230,15 +247,19 @@ func decodeJSON(b []byte) (any, error) {
 	return normalizeNumbers(v), nil
 }
 
-// normalizeNumbers replaces each json.Number with the exact rational it denotes, as text,
-// so that 1, 1.0 and 1e0 compare equal and two large integers one apart do not.
+// exactNumber is a JSON number as the exact rational it denotes, in lowest terms: its own
+// type, so that no JSON string equals it.
+type exactNumber string
+
+// normalizeNumbers replaces each json.Number with its exactNumber, so that 1, 1.0 and 1e0
+// compare equal and two large integers one apart do not.
 func normalizeNumbers(v any) any {
 	switch v := v.(type) {
 	case json.Number:
 		if r, ok := new(big.Rat).SetString(v.String()); ok {
-			return r.RatString()
+			return exactNumber(r.RatString())
 		}
-		return v.String()
+		return exactNumber(v.String())
 	case []any:
 		for i := range v {
 			v[i] = normalizeNumbers(v[i])

@@ -278,3 +278,55 @@ func TestStoreErrorFails(t *testing.T) {
 	require.Len(t, r.errors, 1)
 	require.True(t, strings.Contains(r.errors[0], "reading the record"), r.errors[0])
 }
+
+// A JSON string is not the number it spells, and a []byte is compared as pgidem stores it
+// (base64), not taken as JSON.
+func TestRequireCompletedTypes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, err := pgidem.Do(b.ctx, b.coord, "ids", "str", time.Hour, nil, func(context.Context) (string, error) { return "42", nil })
+	require.NoError(t, err)
+	_, err = pgidem.Do(b.ctx, b.coord, "ids", "bytes", time.Hour, nil, func(context.Context) ([]byte, error) { return []byte("em_1"), nil })
+	require.NoError(t, err)
+
+	requireFails(t, func(tb pgidemtest.TestingT) {
+		pgidemtest.RequireCompleted(b.ctx, tb, b.coord, "ids", "str", &pgidemtest.RequireOpts{Result: 42})
+	}, "want the result 42", `result "42"`)
+	requirePasses(t, func(tb pgidemtest.TestingT) {
+		pgidemtest.RequireCompleted(b.ctx, tb, b.coord, "ids", "str", &pgidemtest.RequireOpts{Result: "42"})
+		pgidemtest.RequireCompleted(b.ctx, tb, b.coord, "ids", "bytes", &pgidemtest.RequireOpts{Result: []byte("em_1")})
+	})
+	requireFails(t, func(tb pgidemtest.TestingT) {
+		pgidemtest.RequireCompleted(b.ctx, tb, b.coord, "ids", "bytes", &pgidemtest.RequireOpts{Result: []byte(`"em_1"`)})
+	}, "want the result")
+}
+
+// A nil coordinator or transaction, and an option the helper cannot check, fail the test
+// instead of passing it: a nil tx read through the pool would miss the test's uncommitted
+// record.
+func TestRequireMisuseFails(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	tx, err := b.db.Pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(b.ctx) }()
+	_, err = pgidem.DoTx(b.ctx, b.coord, tx, "ledger", "k", time.Hour, nil, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+	require.NoError(t, err)
+
+	var forgot pgx.Tx // the test meant tx
+	requireFails(t, func(tb pgidemtest.TestingT) {
+		pgidemtest.RequireNoRecordTx(b.ctx, tb, b.coord, forgot, "ledger", "k")
+	}, "the transaction is nil")
+	requireFails(t, func(tb pgidemtest.TestingT) {
+		pgidemtest.RequireCompletedTx(b.ctx, tb, b.coord, forgot, "ledger", "k", nil)
+	}, "the transaction is nil")
+	requireFails(t, func(tb pgidemtest.TestingT) {
+		pgidemtest.RequireNoRecord(b.ctx, tb, nil, "ledger", "k")
+	}, "the coordinator is nil")
+	requireFails(t, func(tb pgidemtest.TestingT) {
+		pgidemtest.RequireCompletedTx(b.ctx, tb, b.coord, tx, "ledger", "k", &pgidemtest.RequireOpts{Message: "card declined"})
+	}, "RequireOpts.Message applies to a failed record (RequireFailed) only")
+	requireFails(t, func(tb pgidemtest.TestingT) {
+		pgidemtest.RequireFailedTx(b.ctx, tb, b.coord, tx, "ledger", "k", &pgidemtest.RequireOpts{Result: 1})
+	}, "RequireOpts.Result applies to a completed record (RequireCompleted) only")
+}

@@ -110,12 +110,14 @@
 // A job with a fresh key adds two committed statements to River's own: the reserving
 // insert before the worker runs and the completing update after it, each shared with the
 // other jobs reaching it at the same moment (one round trip and one commit for up to
-// [pgidem.Config.MaxBatch] of them). A redelivered or duplicate job adds one indexed read
-// and commits nothing. With River's default fetch settings a queue of no-op jobs runs as
-// fast with the middleware as without it; a queue tuned to fetch every 10 ms loses 0–54 %
-// of its no-op jobs per second depending on the disk's flush latency, and up to about 60 %
-// once Postgres's CPU is the limit, because the middleware's row writes are then as much
-// work as River's; a job that spends 50 ms in another service loses 1–13 %. Size the pool
+// [pgidem.Config.MaxBatch] of them). A redelivered or duplicate job adds one statement
+// that commits nothing: the same reserving insert, which finds the record and writes
+// nothing (ON CONFLICT DO NOTHING), so it replays. With River's default fetch settings a
+// queue of no-op jobs runs as fast with the middleware as without it; a queue tuned to
+// fetch every 10 ms loses 0–54 % of its no-op jobs per second depending on the disk's
+// flush latency, and 12–64 % once Postgres's CPU is the limit, because the middleware's
+// row writes are then as much work as River's; a job that spends 50 ms in another service
+// loses 1–13 % (once 20 %, on a machine whose disk slowed during the run). Size the pool
 // for the workers: with pgxpool's default (max(4, CPUs) connections) they queue for
 // connections; the measurements gave 50 to 200 workers a pool of 20. Measurements, and how
 // to rerun them, are in docs/performance.md of the repository.

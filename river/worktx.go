@@ -150,6 +150,11 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 			return res, true, river.JobCancel(err)
 		}
 		return res, false, err
+	case isNotStored(err):
+		// fn's Permanent error, which pgidem could not store: the verdict stands, so River
+		// stops, with nothing in tx to keep. Before the sentinels below, which fn's error
+		// (wrapped in it) may match.
+		return res, false, river.JobCancel(err)
 	case errors.Is(err, pgidem.ErrInvalidArgument):
 		// pgidem's refusal: of the call before fn ran, or of a fn that ended tx itself
 		// (whatever fn returned, tx must be rolled back).
@@ -162,16 +167,13 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 	case errors.As(err, &inProgress):
 		// Clamped like the middleware's snooze: never a busy loop, never a whole lease.
 		return res, false, river.JobSnooze(min(max(inProgress.RetryAfter, SnoozeMinDefault), SnoozeMaxDefault))
-	case isStoredFailure(res, err) || errors.As(err, new(*pgidem.PermanentError)):
-		// A stored failure replayed, or fn's pgidem.Permanent error that pgidem could not
-		// store (a top-level *FailureNotStoredError), or (when fn's error is of a type ==
-		// cannot compare, sameError) fn's own. fn's error that matches ErrPermanent only
-		// through a failure a nested call replayed is an ordinary error, returned above:
-		// DoTx did not store it. So is a replayed result that does not decode
-		// (pgidem.ErrReplayNotDecodable): River retries, and a deploy that fixes the type
-		// lets the job replay.
-		_, notStored := err.(*pgidem.FailureNotStoredError)
-		return res, !res.Replayed && !notStored, river.JobCancel(err)
+	case isStoredFailure(res, err):
+		// The key's stored failure, replayed: nothing to write. (fn's error that matches
+		// ErrPermanent only through a failure a nested call replayed is an ordinary error,
+		// returned above: DoTx did not store it. So is a replayed result that does not
+		// decode, pgidem.ErrReplayNotDecodable: River retries, and a deploy that fixes the
+		// type lets the job replay.)
+		return res, false, river.JobCancel(err)
 	default:
 		return res, false, err
 	}
@@ -199,24 +201,36 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 }
 
 // runsAgain reports whether River works a job in state again by itself: a retryable or
-// available job (the rescuer's), a scheduled one (a snooze, river.JobSnooze, of a parallel
-// execution) and a pending one.
+// available job (the rescuer's) and a scheduled one (a snooze, river.JobSnooze, of a
+// parallel execution). Not a pending job: River leaves it parked until a user moves it.
 func runsAgain(state rivertype.JobState) bool {
 	switch state {
-	case rivertype.JobStateRetryable, rivertype.JobStateAvailable, rivertype.JobStateScheduled, rivertype.JobStatePending:
+	case rivertype.JobStateRetryable, rivertype.JobStateAvailable, rivertype.JobStateScheduled:
 		return true
 	}
 	return false
 }
 
-// sameError reports whether err is fnErr itself, as DoTx returns fn's error. An error
-// whose type == cannot compare (a struct holding a slice, say) is never the same: the
-// callers then judge err by its chain.
+// sameError reports whether err is fnErr itself, as DoTx returns fn's error unchanged.
+// Values that == cannot compare (a slice, or a struct holding one, behind the interface)
+// are the same when they are of one type and deeply equal: DoTx creates no value of fn's
+// error types.
 func sameError(err, fnErr error) bool {
-	if err == nil || fnErr == nil || !reflect.TypeOf(fnErr).Comparable() {
+	if err == nil || fnErr == nil {
 		return false
 	}
-	return err == fnErr
+	a, b := reflect.ValueOf(err), reflect.ValueOf(fnErr)
+	if a.Comparable() && b.Comparable() {
+		return err == fnErr
+	}
+	return a.Type() == b.Type() && reflect.DeepEqual(err, fnErr)
+}
+
+// isNotStored reports whether err is pgidem's own verdict that fn's permanent failure
+// could not be stored (a top-level *FailureNotStoredError).
+func isNotStored(err error) bool {
+	_, ok := err.(*pgidem.FailureNotStoredError)
+	return ok
 }
 
 // isStoredFailure reports whether err is the key's own stored failure, replayed.

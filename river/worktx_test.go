@@ -113,7 +113,7 @@ func TestWorkTx(t *testing.T) {
 		})
 		t.Run("JobNoLongerRunning"+mode.name, func(t *testing.T) {
 			t.Parallel()
-			testWorkTxJobNoLongerRunning(t, mode.begin)
+			testWorkTxJobNoLongerRunning(t, mode.begin, rivertype.JobStateDiscarded)
 		})
 	}
 
@@ -144,6 +144,12 @@ func TestWorkTx(t *testing.T) {
 		require.Equal(t, 1, shipments)
 		require.True(t, record)
 		require.NotContains(t, logs.String(), "will not run again")
+	})
+
+	// Parked as pending meanwhile: River does not run it again by itself either.
+	t.Run("JobPendingMeanwhile", func(t *testing.T) {
+		t.Parallel()
+		testWorkTxJobNoLongerRunning(t, shipModes[1].begin, rivertype.JobStatePending)
 	})
 
 	t.Run("CrashMidTransaction", func(t *testing.T) {
@@ -195,8 +201,9 @@ func testWorkTxSuccess(t *testing.T, begin func(b *bundle) func(context.Context)
 }
 
 // testWorkTxJobNoLongerRunning: River's rescuer discards (or makes retryable) a job that
-// still runs; WorkTx must not commit the effect without the completion River then refuses.
-func testWorkTxJobNoLongerRunning(t *testing.T, begin func(b *bundle) func(context.Context) (pgx.Tx, error)) {
+// still runs, or someone parks it (pending); WorkTx must not commit the effect without the
+// completion River then refuses, and says at error that the job will not run again.
+func testWorkTxJobNoLongerRunning(t *testing.T, begin func(b *bundle) func(context.Context) (pgx.Tx, error), state rivertype.JobState) {
 	b := setup(t)
 	_, err := b.db.Pool.Exec(b.ctx, shipmentsSchema)
 	require.NoError(t, err)
@@ -206,7 +213,8 @@ func testWorkTxJobNoLongerRunning(t *testing.T, begin func(b *bundle) func(conte
 	require.NoError(t, err)
 	workers := river.NewWorkers()
 	river.AddWorker(workers, &shipWorker{coord: coord, begin: begin(b), errs: errs, inTx: func(ctx context.Context, jobID int64) {
-		_, err := b.db.Pool.Exec(ctx, "UPDATE river_job SET state = 'discarded', finalized_at = now() WHERE id = $1", jobID)
+		_, err := b.db.Pool.Exec(ctx, `UPDATE river_job SET state = $2::text::river_job_state,
+			finalized_at = CASE WHEN $2::text = 'discarded' THEN now() END WHERE id = $1`, jobID, string(state))
 		require.NoError(t, err)
 	}})
 	b.startClient(t, riverConfig(t, workers))
@@ -218,10 +226,10 @@ func testWorkTxJobNoLongerRunning(t *testing.T, begin func(b *bundle) func(conte
 	case <-time.After(30 * time.Second):
 		t.Fatal("the job did not run")
 	}
-	shipments, record, state := b.shipState(t, id)
+	shipments, record, jobState := b.shipState(t, id)
 	require.Zero(t, shipments, "the shipment rolled back")
 	require.False(t, record, "no record")
-	require.Equal(t, rivertype.JobStateDiscarded, state)
+	require.Equal(t, state, jobState)
 	// River drops the error of a job it no longer runs: the log is where this shows.
 	require.Contains(t, logs.String(), "level=ERROR")
 	require.Contains(t, logs.String(), "will not run again")
@@ -401,4 +409,70 @@ func TestWorkInTxOnReadOnlyDefaultPool(t *testing.T) {
 	require.Equal(t, 1, shipments)
 	require.True(t, record)
 	require.Equal(t, rivertype.JobStateCompleted, state)
+}
+
+// sliceErr is an error whose values == cannot compare.
+type sliceErr []error
+
+func (e sliceErr) Error() string   { return "several" }
+func (e sliceErr) Unwrap() []error { return e }
+
+// codeErr is a comparable struct type whose field may hold a value == cannot compare.
+type codeErr struct{ err error }
+
+func (e codeErr) Error() string { return "code: " + e.err.Error() }
+func (e codeErr) Unwrap() error { return e.err }
+
+// fn's own errors are told from pgidem's even when == cannot compare them: an ordinary one
+// comes back unchanged (it used to panic in the comparison), and a Permanent one inside
+// such an error is stored and cancels the job whatever else it wraps.
+func TestWorkTxUncomparableFnErrors(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	job := func(id int64) *river.Job[ShipArgs] {
+		return &river.Job[ShipArgs]{JobRow: &rivertype.JobRow{ID: id, Kind: "order.ship", State: rivertype.JobStateRunning}}
+	}
+
+	ordinary := codeErr{err: sliceErr{errors.New("a"), errors.New("b")}}
+	_, err := pgidemriver.WorkInTx(b.ctx, b.coord, job(400), "orders", "order-70.ship", testTTL, nil,
+		func(context.Context, pgx.Tx) (int, error) { return 0, ordinary })
+	require.Equal(t, ordinary.Error(), err.Error())
+	require.False(t, pgidemriver.ShouldCommit(err))
+
+	for i, inner := range []error{pgidem.ErrInvalidArgument, &pgidem.InProgressError{Namespace: "s", Key: "k", RetryAfter: time.Second}} {
+		key := fmt.Sprintf("order-%d.ship", 71+i)
+		_, err := pgidemriver.WorkInTx(b.ctx, b.coord, job(int64(401+i)), "orders", key, testTTL, nil,
+			func(context.Context, pgx.Tx) (int, error) {
+				return 0, sliceErr{pgidem.Permanent(errors.New("declined")), inner}
+			})
+		require.ErrorAs(t, err, new(*river.JobCancelError), "case %d: %v", i, err)
+		rec, err := b.coord.Lookup(b.ctx, "orders", key)
+		require.NoError(t, err, "case %d: the failure was stored and kept", i)
+		require.Equal(t, pgidem.StatusFailed, rec.Status)
+	}
+}
+
+// A Permanent failure pgidem could not store cancels the job like a stored one, also when
+// fn's error wraps a refusal or an in-progress answer of a nested call (which used to be
+// taken for WorkTx's own: returned bare, or snoozed).
+func TestWorkTxFailureNotStored(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, err := b.db.Pool.Exec(b.ctx, `
+CREATE FUNCTION refuse_failed() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'injected'; END$$;
+CREATE TRIGGER refuse_failed BEFORE INSERT OR UPDATE ON pgidem_record
+	FOR EACH ROW WHEN (NEW.status = 'failed') EXECUTE FUNCTION refuse_failed()`)
+	require.NoError(t, err)
+	for i, inner := range []error{errors.New("plain"), pgidem.ErrInvalidArgument, &pgidem.InProgressError{Namespace: "s", Key: "k", RetryAfter: time.Second}} {
+		tx, err := b.db.Pool.Begin(b.ctx)
+		require.NoError(t, err)
+		j := &river.Job[ShipArgs]{JobRow: &rivertype.JobRow{ID: int64(500 + i), Kind: "order.ship", State: rivertype.JobStateRunning}}
+		_, err = pgidemriver.WorkTx(b.ctx, b.coord, tx, j, "orders", fmt.Sprintf("order-%d.ship", 80+i), testTTL, nil,
+			func(context.Context, pgx.Tx) (int, error) {
+				return 0, pgidem.Permanent(fmt.Errorf("validate: %w", inner))
+			})
+		require.NoError(t, tx.Rollback(b.ctx))
+		require.ErrorAs(t, err, new(*pgidem.FailureNotStoredError), "case %d", i)
+		require.ErrorAs(t, err, new(*river.JobCancelError), "case %d: %v", i, err)
+	}
 }

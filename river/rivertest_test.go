@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/pgidem"
+	"github.com/pgidem/pgidem/pgidemtest"
 	pgidemriver "github.com/pgidem/pgidem/river"
 )
 
@@ -47,6 +48,10 @@ func TestRivertestMiddleware(t *testing.T) {
 	require.Len(t, got, 2)
 	require.Equal(t, pgidemriver.ActionExecuted, got[0].Action)
 	require.Equal(t, pgidemriver.ActionReplayed, got[1].Action)
+	// What pgidemtest's docs promise: the record is on the pool, in the kind's namespace,
+	// under the args' key, completed once.
+	pgidemtest.RequireCompleted(b.ctx, t, b.coord, InvoiceArgs{}.Kind(), InvoiceArgs{OrderID: 9}.IdempotencyKey(),
+		&pgidemtest.RequireOpts{Attempts: 1})
 }
 
 // TestRivertestWorkTx: WorkTx in a transaction begun from rivertest's (a savepoint) puts

@@ -382,7 +382,9 @@ func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op str
 //
 // fn must not commit or roll back tx. If fn returns an error or panics, the transaction is
 // rolled back — fn's writes and the inbox row alike — and the error is returned (a panic
-// continues), so the redelivery runs fn again. A failed commit returns a [*StoreError] for
+// continues), so the redelivery runs fn again. (A fn that ended tx itself and then returns
+// an error gets an error matching [ErrInvalidArgument] that wraps its own: whatever fn
+// committed stays, the inbox row included, so a redelivery is skipped.) A failed commit returns a [*StoreError] for
 // op "commit", except when the failure is fn's doing, which returns an error saying so,
 // neither logged nor counted as a store error: fn returned nil after one of its
 // statements failed (the server aborts the transaction, so the commit rolls back); the
@@ -444,8 +446,17 @@ func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID strin
 		_ = tx.Rollback(ctx)
 		return false, nil
 	}
-	if err := fn(withKey(ctx, c.config.Schema, consumer, messageID, true), tx); err != nil {
-		return false, err
+	if fnErr := fn(withKey(ctx, c.config.Schema, consumer, messageID, true), tx); fnErr != nil {
+		ended = true
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
+		defer cancel()
+		if err := tx.Rollback(rctx); errors.Is(err, pgx.ErrTxClosed) {
+			// fn committed or rolled back tx itself and then failed: its error does not say
+			// what happened to the message (after a commit the redelivery is skipped), so
+			// it is refused as a fn that returns nil is, keeping fn's error in the chain.
+			return false, fmt.Errorf("%w (fn returned: %w)", commitRefused("InboxHandle", err), fnErr)
+		}
+		return false, fnErr
 	}
 	ended = true
 	if err := tx.Commit(ctx); err != nil {

@@ -54,6 +54,22 @@ func TestCommitRefusedByFnIsNotAStoreError(t *testing.T) {
 		require.Equal(t, 1, countRows(t, b, `SELECT count(*) FROM pgidem_inbox WHERE message_id = 'm-2'`),
 			"fn's commit committed the inbox row: a redelivery is skipped")
 	})
+	// fn commits and then fails: its error alone would read as "rolled back, run again",
+	// while the commit kept the inbox row and the redelivery is skipped.
+	t.Run("InboxFnCommitsThenFails", func(t *testing.T) {
+		fnErr := errors.New("mail step failed after commit")
+		handled, err := b.coord.InboxHandle(b.ctx, "billing", "m-3", nil, func(ctx context.Context, tx pgx.Tx) error {
+			if err := tx.Commit(ctx); err != nil {
+				return err
+			}
+			return fnErr
+		})
+		require.False(t, handled)
+		require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+		require.ErrorIs(t, err, fnErr, "fn's own error is kept")
+		require.Contains(t, err.Error(), "fn ended the transaction")
+		require.Equal(t, 1, countRows(t, b, `SELECT count(*) FROM pgidem_inbox WHERE message_id = 'm-3'`))
+	})
 	t.Run("DoInTxFnRollsBack", func(t *testing.T) {
 		_, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "k-2", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int, error) {
 			return 1, tx.Rollback(ctx)

@@ -155,6 +155,15 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 		// stops, with nothing in tx to keep. Before the sentinels below, which fn's error
 		// (wrapped in it) may match.
 		return res, false, river.JobCancel(err)
+	case res.Replayed:
+		// The key's record answered, fn did not run: its stored failure (River stops;
+		// nothing to write), or a result that does not decode (pgidem.ErrReplayNotDecodable,
+		// whose chain holds the decoder's error, which may wrap anything): River retries,
+		// and a deploy that fixes the type lets the job replay.
+		if isStoredFailure(res, err) {
+			return res, false, river.JobCancel(err)
+		}
+		return res, false, err
 	case errors.Is(err, pgidem.ErrInvalidArgument):
 		// pgidem's refusal: of the call before fn ran, or of a fn that ended tx itself
 		// (whatever fn returned, tx must be rolled back).
@@ -164,16 +173,10 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 				"add kind %q to Config.ExcludeKinds or use another namespace: %w", namespace, key, job.ID, job.Kind, err)
 		}
 		return res, false, err
-	case errors.As(err, &inProgress):
-		// Clamped like the middleware's snooze: never a busy loop, never a whole lease.
+	case isInProgress(err, &inProgress):
+		// DoTx's own verdict (top level): another transaction holds the key. Clamped like
+		// the middleware's snooze: never a busy loop, never a whole lease.
 		return res, false, river.JobSnooze(min(max(inProgress.RetryAfter, SnoozeMinDefault), SnoozeMaxDefault))
-	case isStoredFailure(res, err):
-		// The key's stored failure, replayed: nothing to write. (fn's error that matches
-		// ErrPermanent only through a failure a nested call replayed is an ordinary error,
-		// returned above: DoTx did not store it. So is a replayed result that does not
-		// decode, pgidem.ErrReplayNotDecodable: River retries, and a deploy that fixes the
-		// type lets the job replay.)
-		return res, false, river.JobCancel(err)
 	default:
 		return res, false, err
 	}
@@ -224,6 +227,14 @@ func sameError(err, fnErr error) bool {
 		return err == fnErr
 	}
 	return a.Type() == b.Type() && reflect.DeepEqual(err, fnErr)
+}
+
+// isInProgress reports whether err is DoTx's own in-progress verdict, an *InProgressError
+// at the top level (not one that fn's or a decoder's error wraps), and sets *target.
+func isInProgress(err error, target **pgidem.InProgressError) bool {
+	e, ok := err.(*pgidem.InProgressError)
+	*target = e
+	return ok
 }
 
 // isNotStored reports whether err is pgidem's own verdict that fn's permanent failure

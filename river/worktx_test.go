@@ -355,6 +355,23 @@ func TestWorkTxReplayNotDecodable(t *testing.T) {
 	var cancel *river.JobCancelError
 	require.False(t, errors.As(err, &cancel))
 	require.False(t, pgidemriver.ShouldCommit(err))
+
+	// A decoder (the user's UnmarshalJSON) whose error wraps a pgidem verdict of its own:
+	// still a result that does not decode, not DoTx's in-flight answer. It used to snooze
+	// the job, which uses no attempt, so River never gave up on it.
+	_, err = pgidemriver.WorkInTx(b.ctx, b.coord, j, "orders", "order-60.ship", testTTL, nil,
+		func(context.Context, pgx.Tx) (pickyReceipt, error) { t.Error("fn ran"); return pickyReceipt{}, nil })
+	require.ErrorIs(t, err, pgidem.ErrReplayNotDecodable)
+	require.False(t, errors.As(err, new(*river.JobSnoozeError)), "not snoozed: %v", err)
+	require.False(t, pgidemriver.ShouldCommit(err))
+}
+
+// pickyReceipt refuses every stored value, with an error wrapping a pgidem type (one its
+// own lookup returned, say).
+type pickyReceipt struct{ ID int }
+
+func (*pickyReceipt) UnmarshalJSON([]byte) error {
+	return fmt.Errorf("receipt: validating: %w", &pgidem.InProgressError{Namespace: "other", Key: "k"})
 }
 
 // WorkTx under the middleware's own key is refused at once with pgidem's typed error and

@@ -384,8 +384,8 @@ func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op str
 // rolled back — fn's writes and the inbox row alike — and the error is returned (a panic
 // continues), so the redelivery runs fn again. (A fn that ended tx itself and then returns
 // an error gets an error matching [ErrInvalidArgument] that wraps its own: whatever fn
-// committed stays, the inbox row included, so a redelivery is skipped.) A failed commit returns a [*StoreError] for
-// op "commit", except when the failure is fn's doing, which returns an error saying so,
+// committed stays, the inbox row included, so a redelivery is skipped.) A failed commit
+// returns a [*StoreError] for op "commit", except when the failure is fn's doing, which returns an error saying so,
 // neither logged nor counted as a store error: fn returned nil after one of its
 // statements failed (the server aborts the transaction, so the commit rolls back); the
 // server refused the commit for a deferred constraint fn's writes broke (SQLSTATE class

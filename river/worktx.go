@@ -96,8 +96,9 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 //     carries no Permanent error: it is an ordinary error of fn's, as above.
 //   - the job is no longer running when WorkTx completes it (River's rescuer made it
 //     retryable or discarded it meanwhile, or a parallel execution of it snoozed it;
-//     river.JobCompleteTx then changes nothing): an error matching [ErrJobNotRunning]. (A job cancelled with River's JobCancel while it
-//     runs has its context cancelled instead, and WorkTx returns the context's error.)
+//     river.JobCompleteTx then changes nothing): an error matching [ErrJobNotRunning].
+//     (A job cancelled with River's JobCancel while it runs has its context cancelled
+//     instead, and WorkTx returns the context's error.)
 //     Roll back, or the effect commits without the completion; wherever River runs the
 //     job next, the effect runs there. A discarded job (the rescuer, on its last attempt)
 //     is not run again, and River drops this error: WorkTx logs it at error on the
@@ -140,7 +141,6 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 		fnErr = err
 		return v, err
 	})
-	var inProgress *pgidem.InProgressError
 	switch {
 	case err == nil:
 	case sameError(err, fnErr):
@@ -150,7 +150,7 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 			return res, true, river.JobCancel(err)
 		}
 		return res, false, err
-	case isNotStored(err):
+	case isTop[*pgidem.FailureNotStoredError](err):
 		// fn's Permanent error, which pgidem could not store: the verdict stands, so River
 		// stops, with nothing in tx to keep. Before the sentinels below, which fn's error
 		// (wrapped in it) may match.
@@ -173,10 +173,12 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 				"add kind %q to Config.ExcludeKinds or use another namespace: %w", namespace, key, job.ID, job.Kind, err)
 		}
 		return res, false, err
-	case isInProgress(err, &inProgress):
-		// DoTx's own verdict (top level): another transaction holds the key. Clamped like
-		// the middleware's snooze: never a busy loop, never a whole lease.
-		return res, false, river.JobSnooze(min(max(inProgress.RetryAfter, SnoozeMinDefault), SnoozeMaxDefault))
+	case isTop[*pgidem.InProgressError](err):
+		// DoTx's own verdict (top level, not one fn's or a decoder's error wraps): another
+		// transaction holds the key. Clamped like the middleware's snooze: never a busy
+		// loop, never a whole lease.
+		retryAfter := err.(*pgidem.InProgressError).RetryAfter
+		return res, false, river.JobSnooze(min(max(retryAfter, SnoozeMinDefault), SnoozeMaxDefault))
 	default:
 		return res, false, err
 	}
@@ -229,18 +231,10 @@ func sameError(err, fnErr error) bool {
 	return a.Type() == b.Type() && reflect.DeepEqual(err, fnErr)
 }
 
-// isInProgress reports whether err is DoTx's own in-progress verdict, an *InProgressError
-// at the top level (not one that fn's or a decoder's error wraps), and sets *target.
-func isInProgress(err error, target **pgidem.InProgressError) bool {
-	e, ok := err.(*pgidem.InProgressError)
-	*target = e
-	return ok
-}
-
-// isNotStored reports whether err is pgidem's own verdict that fn's permanent failure
-// could not be stored (a top-level *FailureNotStoredError).
-func isNotStored(err error) bool {
-	_, ok := err.(*pgidem.FailureNotStoredError)
+// isTop reports whether err itself, not an error its chain wraps, is of type E: pgidem's
+// own verdicts come at the top level, while a user's error may wrap any of their types.
+func isTop[E error](err error) bool {
+	_, ok := err.(E)
 	return ok
 }
 

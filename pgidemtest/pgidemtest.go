@@ -69,8 +69,9 @@ func RequireCompletedTx(ctx context.Context, tb TestingT, c *pgidem.Coordinator,
 
 // RequireFailed fails tb unless the key has a stored failure within its TTL (fn returned a
 // [pgidem.Permanent] error, which later calls replay as a [*pgidem.StoredFailureError])
-// that passes opts, and returns that record. It fails tb, too, when the record cannot be
-// read. Cancelling ctx stops the read and fails tb.
+// that passes opts, and returns that record (nil after failing tb). It fails tb, too, when
+// the record cannot be read and when opts sets a field that does not apply, as
+// [RequireCompleted] does. Cancelling ctx stops the read and fails tb.
 func RequireFailed(ctx context.Context, tb TestingT, c *pgidem.Coordinator, namespace, key string, opts *RequireOpts) *pgidem.Record {
 	tb.Helper()
 	return require(tb, pgidem.StatusFailed, namespace, key, opts, lookup(ctx, c, false, nil, namespace, key))

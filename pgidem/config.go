@@ -7,7 +7,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/pgidem/pgidem/internal/protocol"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -16,7 +17,7 @@ const (
 	// LeaseDefault is the default [Config.Lease].
 	LeaseDefault = 30 * time.Second
 	// LeaseMin is the shortest lease accepted.
-	LeaseMin = 100 * time.Millisecond
+	LeaseMin = protocol.LeaseMin
 
 	// MinTTLDefault is the default [Config.MinTTL].
 	MinTTLDefault = time.Minute
@@ -62,33 +63,21 @@ const (
 )
 
 // InFlightPolicy says what a call does when the key's record is in progress under another
-// holder with a live lease.
-type InFlightPolicy int
+// holder with a live lease. Its String method returns "wait", "raise" or "default".
+type InFlightPolicy = protocol.InFlightPolicy
 
 const (
 	// InFlightDefault (the zero value) means: use the coordinator's policy
 	// ([Config.InFlight]), which itself defaults to [InFlightWait].
-	InFlightDefault InFlightPolicy = iota
+	InFlightDefault = protocol.InFlightDefault
 	// InFlightWait polls the record (backoff with jitter) until it completes (replay), is
 	// released (reserve again) or its lease expires (takeover), bounded by the context and
 	// the wait timeout, after which the call returns an [*InProgressError].
-	InFlightWait
+	InFlightWait = protocol.InFlightWait
 	// InFlightRaise returns an [*InProgressError] at once, with a retry-after hint taken
 	// from the holder's lease.
-	InFlightRaise
+	InFlightRaise = protocol.InFlightRaise
 )
-
-// String returns "wait", "raise" or "default".
-func (p InFlightPolicy) String() string {
-	switch p {
-	case InFlightWait:
-		return "wait"
-	case InFlightRaise:
-		return "raise"
-	default:
-		return "default"
-	}
-}
 
 // Config configures a [Coordinator]. The zero value is valid: every zero field takes its
 // documented default. NewCoordinator copies it; changing it afterwards has no effect.
@@ -249,7 +238,7 @@ func (c *Config) validate() error {
 		return invalidArgument("Config.MaxValueBytes %d must be positive and at most %d", c.MaxValueBytes, MaxValueBytesMax)
 	}
 	if c.Schema != "" {
-		if err := validatePart("schema", c.Schema, SchemaMaxBytes); err != nil {
+		if err := protocol.ValidatePart("schema", c.Schema, SchemaMaxBytes); err != nil {
 			return invalidArgument("Config.Schema %q is not a usable schema name: %s", c.Schema, err.(*InvalidKeyError).Reason)
 		}
 		if strings.TrimSpace(c.Schema) == "" {
@@ -263,14 +252,8 @@ func (c *Config) validate() error {
 // with [NewCoordinator]. It holds no connection of its own between calls and is safe for
 // concurrent use by any number of goroutines.
 type Coordinator struct {
-	pool   *pgxpool.Pool
+	engine *protocol.Engine
 	config Config
-	sql    statements
-
-	reserves  *batcher[reserveReq, row]       // reserving inserts (batch.go)
-	completes *batcher[completeReq, struct{}] // completing writes (batch.go)
-
-	planEach []any // query mode arguments that plan a statement for each execution (planEachExecution)
 }
 
 // NewCoordinator returns a coordinator that stores records through pool, which must reach a
@@ -294,15 +277,20 @@ func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	c := &Coordinator{pool: pool, config: cfg, sql: newStatements(cfg.Schema), planEach: planEachExecution(pool.Config().ConnConfig)}
-	c.reserves = &batcher[reserveReq, row]{max: cfg.MaxBatch, run: c.leadReserves,
-		// Nothing was sent for a queued reservation: its caller may go.
-		leave: func(ctx context.Context) error { return &notHeldError{err: ctx.Err(), callerEnded: true} }}
-	c.completes = &batcher[completeReq, struct{}]{max: cfg.MaxBatch, // a completion must be written: no leave
-		run: func(ctx context.Context, leader *batchItem[completeReq, struct{}], take func(time.Duration) []*batchItem[completeReq, struct{}]) {
-			c.runCompletes(ctx, append([]*batchItem[completeReq, struct{}]{leader}, take(0)...))
-		},
-		size: func(r completeReq) int { return len(r.result) + len(r.failure) }, maxBytes: cfg.MaxValueBytes}
+	hook, logger := cfg.Hook, cfg.Logger
+	var emit func(context.Context, protocol.EventKind, string, int64)
+	if hook != nil {
+		emit = func(ctx context.Context, kind protocol.EventKind, namespace string, count int64) {
+			hook.OnEvent(ctx, Event{Kind: kind, Namespace: namespace, Count: count})
+		}
+	}
+	c := &Coordinator{config: cfg, engine: protocol.New(pool, protocol.Settings{
+		Schema: cfg.Schema, Lease: cfg.Lease, MinTTL: cfg.MinTTL, WaitTimeout: cfg.WaitTimeout,
+		InFlight: cfg.InFlight, PollIntervalMin: cfg.PollIntervalMin, PollIntervalMax: cfg.PollIntervalMax,
+		FinishTimeout: cfg.FinishTimeout, MaxBatch: cfg.MaxBatch, MaxKeyBytes: cfg.MaxKeyBytes,
+		MaxNamespaceBytes: cfg.MaxNamespaceBytes, MaxValueBytes: cfg.MaxValueBytes, FailOpen: cfg.FailOpen,
+		Logger: logger, Emit: emit,
+	})}
 	return c, nil
 }
 
@@ -310,12 +298,4 @@ func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 func (c *Coordinator) Config() Config { return c.config }
 
 // Pool returns the pool the coordinator stores records through.
-func (c *Coordinator) Pool() *pgxpool.Pool { return c.pool }
-
-// qualify returns the quoted, optionally schema-qualified name of a pgidem table.
-func qualify(schema, table string) string {
-	if schema == "" {
-		return pgx.Identifier{table}.Sanitize()
-	}
-	return pgx.Identifier{schema, table}.Sanitize()
-}
+func (c *Coordinator) Pool() *pgxpool.Pool { return c.engine.Pool() }

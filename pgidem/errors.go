@@ -1,14 +1,8 @@
 package pgidem
 
 import (
-	"cmp"
-	"errors"
-	"fmt"
-	"strings"
-	"time"
-
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/pgidem/pgidem/internal/protocol"
+	"github.com/pgidem/pgidem/internal/store"
 )
 
 // Sentinel errors. Test for them with [errors.Is]; the typed errors below carry detail and
@@ -17,21 +11,21 @@ var (
 	// ErrInvalidKey means the namespace or idempotency key cannot be stored: empty, not
 	// valid UTF-8, containing NUL or another control character, or longer than the
 	// configured limit in bytes. fn is never run for an invalid key. See [*InvalidKeyError].
-	ErrInvalidKey = errors.New("pgidem: invalid idempotency key")
+	ErrInvalidKey = protocol.ErrInvalidKey
 
 	// ErrInvalidTTL means the record TTL is below [Config.MinTTL], or the lease is below
 	// [LeaseMin] or not shorter than the TTL. fn is not run. See [*InvalidTTLError].
-	ErrInvalidTTL = errors.New("pgidem: invalid ttl")
+	ErrInvalidTTL = protocol.ErrInvalidTTL
 
 	// ErrInProgress means another holder's reservation of the key is in progress with a
 	// live lease: returned at once under [InFlightRaise], or when [InFlightWait] gave up
 	// after its wait timeout. See [*InProgressError] for the retry-after hint.
-	ErrInProgress = errors.New("pgidem: idempotency key in progress")
+	ErrInProgress = protocol.ErrInProgress
 
 	// ErrFingerprintMismatch means the key's record was made with a different fingerprint:
 	// the same key was reused for a different payload. fn is not run.
 	// See [*FingerprintMismatchError].
-	ErrFingerprintMismatch = errors.New("pgidem: fingerprint mismatch")
+	ErrFingerprintMismatch = protocol.ErrFingerprintMismatch
 
 	// ErrLeaseLost means the caller's reservation was taken over by another caller after
 	// its lease expired (or the record was forgotten by hand), so its writes were refused.
@@ -40,7 +34,7 @@ var (
 	// takeover: the write after fn decides, [Result.LeaseLost]). It is returned together
 	// with fn's value when the finishing write finds the record taken: the effect may then
 	// have run twice.
-	ErrLeaseLost = errors.New("pgidem: lease lost")
+	ErrLeaseLost = protocol.ErrLeaseLost
 
 	// ErrStoreUnavailable wraps a database error: the store could not be reached or a
 	// statement failed. Before fn runs it means fn was not run (unless [Config.FailOpen]).
@@ -50,7 +44,7 @@ var (
 	// context.DeadlineExceeded or context.Canceled, unlogged and uncounted. A driver
 	// timeout of its own (connect_timeout) under a live context is one, and so is a
 	// statement pgidem bounds itself ([Config.FinishTimeout]). See [*StoreError].
-	ErrStoreUnavailable = errors.New("pgidem: store unavailable")
+	ErrStoreUnavailable = store.ErrUnavailable
 
 	// ErrNotMigrated is matched, besides [ErrStoreUnavailable], by a [*StoreError] whose
 	// cause is that pgidem's tables or columns do not exist where the coordinator looks
@@ -58,12 +52,12 @@ var (
 	// migrations have not run on this database and schema ([Config.Schema]), or not all of
 	// them. A misconfiguration, not an outage: retrying does not help, and
 	// [Config.FailOpen] does not apply to it.
-	ErrNotMigrated = errors.New("pgidem: schema not migrated")
+	ErrNotMigrated = store.ErrNotMigrated
 
 	// ErrPermanent marks a failure stored in the record and replayed on later calls: both
 	// the error returned by [Permanent] and a replayed stored failure ([*StoredFailureError])
 	// match it.
-	ErrPermanent = errors.New("pgidem: permanent failure")
+	ErrPermanent = protocol.ErrPermanent
 
 	// ErrResultNotStorable means fn succeeded but its value could not be stored as JSON
 	// for the record and replayed as it was: it cannot be encoded (a channel, a function,
@@ -73,18 +67,18 @@ var (
 	// numeric's range). The record is completed without a result, so the effect is not
 	// repeated; replays return this error. (In [DoTx] fn's writes are rolled back instead
 	// and nothing is recorded.)
-	ErrResultNotStorable = errors.New("pgidem: result not storable")
+	ErrResultNotStorable = protocol.ErrResultNotStorable
 
 	// ErrReplayNotDecodable means a completed record's stored result does not decode into
 	// the caller's type T (encoding/json's error is wrapped too): the result type changed
 	// between deploys, or two call sites share a key with different types. The effect ran
 	// and fn is not run again (Result.Replayed is true). Read the stored JSON with
 	// [Coordinator.Lookup] (Record.Result), or move the new type to a new namespace.
-	ErrReplayNotDecodable = errors.New("pgidem: stored result does not decode into the caller's type")
+	ErrReplayNotDecodable = protocol.ErrReplayNotDecodable
 
 	// ErrNotFound is returned by [Coordinator.Lookup], [Coordinator.LookupTx] and
 	// [Coordinator.Forget] when no record row exists for the key.
-	ErrNotFound = errors.New("pgidem: record not found")
+	ErrNotFound = protocol.ErrNotFound
 
 	// ErrInvalidArgument means a setting or argument other than the key and the TTL is
 	// invalid: a [Config] field out of range ([NewCoordinator]), a nil coordinator (given
@@ -96,335 +90,37 @@ var (
 	// already ended transaction given to [Coordinator.InboxRecordTx], or a call for a key (an inbox message,
 	// for [Coordinator.InboxHandle]) from within the fn of a call that holds it. The error's message names the field (or, for a held
 	// key, the key). fn is not run.
-	ErrInvalidArgument = errors.New("pgidem: invalid argument")
+	ErrInvalidArgument = protocol.ErrInvalidArgument
 )
 
-// argumentError is an error matching [ErrInvalidArgument] whose message names the field.
-type argumentError struct{ msg string }
-
-func (e *argumentError) Error() string        { return e.msg }
-func (e *argumentError) Is(target error) bool { return target == ErrInvalidArgument }
-
-// invalidArgument returns an error matching [ErrInvalidArgument] with the message
-// "pgidem: " + fmt.Sprintf(format, args...).
-func invalidArgument(format string, args ...any) error {
-	return &argumentError{msg: "pgidem: " + fmt.Sprintf(format, args...)}
-}
+// ErrInvalidPayload means [InboxOpts.Payload] cannot be stored in the inbox's jsonb
+// column: it is not JSON, it is JSON that jsonb rejects, or it is larger than
+// [Config.MaxValueBytes] (see InboxOpts.Payload). It is
+// returned wrapped with the reason, before any statement runs; the message is not recorded.
+var ErrInvalidPayload = protocol.ErrInvalidPayload
 
 // InvalidKeyError describes why a namespace or key was rejected. It matches [ErrInvalidKey].
-type InvalidKeyError struct {
-	// Field is "namespace" or "key" (or "consumer" / "message_id" for the inbox).
-	Field string
-	// Reason says what is wrong, e.g. "contains control character U+0000 at byte 5".
-	Reason string
-}
-
-// Error returns the message, prefixed "pgidem: ".
-func (e *InvalidKeyError) Error() string {
-	return fmt.Sprintf("pgidem: invalid idempotency key: %s %s", e.Field, e.Reason)
-}
-
-// Is reports whether target is [ErrInvalidKey].
-func (e *InvalidKeyError) Is(target error) bool { return target == ErrInvalidKey }
+type InvalidKeyError = protocol.InvalidKeyError
 
 // InvalidTTLError describes a rejected TTL. It matches [ErrInvalidTTL].
-type InvalidTTLError struct {
-	// TTL is the record TTL the caller asked for; for an inbox call, the retention
-	// ([InboxOpts.Retention]).
-	TTL time.Duration
-	// MinTTL is the configured minimum ([Config.MinTTL]).
-	MinTTL time.Duration
-	// Lease is the lease that applied to the call; it must be shorter than TTL. For an
-	// inbox call, where no lease applies, it is the coordinator's [Config.Lease].
-	Lease time.Duration
-}
-
-// Error returns the message, prefixed "pgidem: ".
-func (e *InvalidTTLError) Error() string {
-	if e.TTL < e.MinTTL {
-		return fmt.Sprintf("pgidem: invalid ttl: %s is below the minimum %s (Config.MinTTL)", e.TTL, e.MinTTL)
-	}
-	if e.Lease < LeaseMin {
-		return fmt.Sprintf("pgidem: invalid ttl: lease %s is below the minimum %s (LeaseMin)", e.Lease, LeaseMin)
-	}
-	return fmt.Sprintf("pgidem: invalid ttl: %s must be longer than the lease %s", e.TTL, e.Lease)
-}
-
-// Is reports whether target is [ErrInvalidTTL].
-func (e *InvalidTTLError) Is(target error) bool { return target == ErrInvalidTTL }
+type InvalidTTLError = protocol.InvalidTTLError
 
 // InProgressError reports a reservation held by another caller. It matches [ErrInProgress].
-type InProgressError struct {
-	// Namespace and Key identify the record.
-	Namespace, Key string
-	// RetryAfter is how long until the holder's lease expires, by the database clock, at
-	// the moment the record was read: the earliest time a retry could take over if the
-	// holder died. At least one millisecond. A live holder renews its lease, so the retry
-	// may find it still in progress.
-	RetryAfter time.Duration
-	// Attempts is the record's attempt count (1 unless a takeover happened); 0 when the
-	// key was held by another transaction's advisory lock ([DoTx]), which shows no record.
-	Attempts int
-	// LeaseExpiresAt is the holder's lease expiry when the record was read; the zero time
-	// when the key was held by another transaction's advisory lock ([DoTx]).
-	LeaseExpiresAt time.Time
-	// Waited is true when the caller waited ([InFlightWait]) before giving up.
-	Waited bool
-}
-
-// Error returns the message, prefixed "pgidem: ".
-func (e *InProgressError) Error() string {
-	return fmt.Sprintf("pgidem: idempotency key in progress: %s/%s (retry after %s)", e.Namespace, e.Key, e.RetryAfter.Round(time.Millisecond))
-}
-
-// Is reports whether target is [ErrInProgress].
-func (e *InProgressError) Is(target error) bool { return target == ErrInProgress }
+type InProgressError = protocol.InProgressError
 
 // FingerprintMismatchError reports a key reused with a different fingerprint. It matches
 // [ErrFingerprintMismatch].
-type FingerprintMismatchError struct {
-	// Namespace and Key identify the record.
-	Namespace, Key string
-	// Status is the stored record's status.
-	Status Status
-}
-
-// Error returns the message, prefixed "pgidem: ".
-func (e *FingerprintMismatchError) Error() string {
-	return fmt.Sprintf("pgidem: fingerprint mismatch: %s/%s was reserved for a different payload (record %s)", e.Namespace, e.Key, e.Status)
-}
-
-// Is reports whether target is [ErrFingerprintMismatch].
-func (e *FingerprintMismatchError) Is(target error) bool { return target == ErrFingerprintMismatch }
+type FingerprintMismatchError = protocol.FingerprintMismatchError
 
 // StoreError wraps a database error. It matches [ErrStoreUnavailable] (and [ErrNotMigrated]
 // when pgidem's tables are missing) and unwraps to the driver's error, so a
 // *pgconn.PgError can be inspected with [errors.As].
-type StoreError struct {
-	// Op is the protocol step that failed: "reserve" (which covers Do's first read of the
-	// key), "takeover", "complete", "release",
-	// "lookup", "forget", "sweep"; "heartbeat" for the renewal Do makes before fn starts when the
-	// reserving statement waited a third of the lease or more (fn then does not run); for
-	// DoTx and the inbox also "begin", "lock", "savepoint", "commit", "inbox". (A failed
-	// renewal while fn runs is logged and reported as an event, not returned.)
-	Op string
-	// Err is the underlying error.
-	Err error
-}
-
-// notMigrated reports whether the store error's cause is a missing table, column or
-// schema of pgidem's ([ErrNotMigrated]).
-func (e *StoreError) notMigrated() bool {
-	var pgErr *pgconn.PgError
-	return errors.As(e.Err, &pgErr) &&
-		(pgErr.Code == sqlstateUndefinedTable || pgErr.Code == sqlstateUndefinedColumn || pgErr.Code == sqlstateInvalidSchemaName)
-}
-
-// Error returns the message, prefixed "pgidem: ".
-func (e *StoreError) Error() string {
-	if e.notMigrated() {
-		return fmt.Sprintf("pgidem: store unavailable: %s: %v (have pgidem's migrations run on this database and schema? see package migrations or `pgidem migrate up`)", e.Op, e.Err)
-	}
-	return fmt.Sprintf("pgidem: store unavailable: %s: %v", e.Op, e.Err)
-}
-
-// SQLSTATE codes pgidem interprets (see Postgres's errcodes appendix).
-const (
-	sqlstateUndefinedTable    = "42P01"
-	sqlstateInvalidSchemaName = "3F000"
-	sqlstateUndefinedColumn   = "42703"
-	// sqlstateClassDataException is the class of errors for values the server refuses
-	// (22P02 invalid text representation, 22P05 untranslatable character, …).
-	sqlstateClassDataException = "22"
-	// sqlstateClassProgramLimit is the class of errors for values past one of the
-	// server's limits (54001 stack depth for jsonb nested too deep, 54000 for a string
-	// over jsonb's size limit): refused again on every attempt, like a data exception.
-	sqlstateClassProgramLimit = "54"
-	// sqlstateLockNotAvailable (lock_not_available) is raised when lock_timeout expires
-	// while DoTx waits for a key's advisory lock.
-	sqlstateLockNotAvailable = "55P03"
-	// sqlstateSerializationFailure (serialization_failure): see isSerializationFailure.
-	sqlstateSerializationFailure = "40001"
-)
-
-// isValueRefused reports whether err carries a server error of class 22 (data
-// exception) or 54 (program limit exceeded): a value the server refuses, and will refuse
-// again (jsonb rejecting a string or number, or JSON nested deeper than it parses).
-func isValueRefused(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && (strings.HasPrefix(pgErr.Code, sqlstateClassDataException) ||
-		strings.HasPrefix(pgErr.Code, sqlstateClassProgramLimit))
-}
-
-// sqlstateInFailedTransaction is in_failed_sql_transaction: a statement sent in a
-// transaction that an earlier failed statement aborted.
-const sqlstateInFailedTransaction = "25P02"
-
-// abortedByFn returns the error for a fn that returned nil although one of its statements
-// in the transaction pgidem gave it had failed: the server then aborts the transaction, so
-// pgidem's next statement is refused (in_failed_sql_transaction, 25P02) or the commit
-// rolls back (pgx.ErrTxCommitRollback). The mistake is fn's, not the store's: it is not a
-// *StoreError, and it is neither logged nor counted. nil when err is not such a refusal.
-func abortedByFn(op string, err error) error {
-	var pgErr *pgconn.PgError
-	if !errors.Is(err, pgx.ErrTxCommitRollback) && !(errors.As(err, &pgErr) && pgErr.Code == sqlstateInFailedTransaction) {
-		return nil
-	}
-	return fmt.Errorf("pgidem: %s: fn returned nil after one of its statements failed, which aborted the transaction: "+
-		"nothing of fn's was committed (fn must return that statement's error): %w", op, err)
-}
-
-// sqlstateClassIntegrity is the class of integrity constraint violations (23503 foreign
-// key, 23505 unique, …): at a commit, a deferred constraint the transaction's writes broke.
-const sqlstateClassIntegrity = "23"
-
-// commitRefused returns the error for a failed commit of a transaction pgidem began and gave
-// fn (InboxHandle, DoInTx) when the failure is fn's doing rather than the store's: fn
-// returned nil after one of its statements failed ([abortedByFn]); fn ended the
-// transaction itself (pgx.ErrTxClosed; it matches [ErrInvalidArgument]); or the server
-// refused the commit for a deferred constraint fn's writes broke (class 23), which it
-// would refuse again on every delivery. None is a *StoreError: each is neither logged nor
-// counted, and a caller that retries store errors does not loop on it. nil otherwise.
-func commitRefused(op string, err error) error {
-	if abortErr := abortedByFn(op, err); abortErr != nil {
-		return abortErr
-	}
-	if errors.Is(err, pgx.ErrTxClosed) {
-		return invalidArgument("%s: fn ended the transaction it was given (Commit or Rollback), which it must not: "+
-			"fn's writes and the record were committed or rolled back with it, whichever fn called", op)
-	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, sqlstateClassIntegrity) {
-		return fmt.Errorf("pgidem: %s: the commit was refused for a deferred constraint that fn's writes broke; "+
-			"nothing was committed: %w", op, err)
-	}
-	return nil
-}
-
-// unusableTx returns the error for a caller's transaction that cannot take pgidem's
-// statement, judged from the error of that statement: one an earlier failed statement
-// aborted (25P02) or one already committed or rolled back (pgx.ErrTxClosed). Each matches
-// [ErrInvalidArgument]. nil for any other error, a read-only transaction's included: a
-// server that refuses writes (a hot standby after a failover) says so the same way, and
-// that is the store's state, not the caller's mistake.
-func unusableTx(op string, err error) error {
-	var pgErr *pgconn.PgError
-	switch {
-	case errors.Is(err, pgx.ErrTxClosed):
-		return invalidArgument("%s: the transaction was already committed or rolled back", op)
-	case errors.As(err, &pgErr) && pgErr.Code == sqlstateInFailedTransaction:
-		return invalidArgument("%s: the transaction was already aborted by a statement that failed before it; roll it back", op)
-	}
-	return nil
-}
-
-// isSerializationFailure reports whether the server refused a statement because a row it
-// needed changed after its snapshot (serialization_failure, 40001). pgidem's own
-// statements expect READ COMMITTED, Postgres's default, which re-checks such a row
-// instead; a pool whose sessions default to REPEATABLE READ or SERIALIZABLE gets this
-// error for ordinary contention on a key, and the caller reads the key again.
-func isSerializationFailure(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == sqlstateSerializationFailure
-}
-
-// mayHaveApplied reports whether a write that failed with err may still have committed on
-// the server, its reply lost. Nothing was applied when the connection could not be made,
-// when pgconn says nothing was sent, or when the server answered with an ERROR (the
-// statement, its own transaction, rolled back). A FATAL or PANIC ends the session, and a
-// session can end after its commit.
-func mayHaveApplied(err error) bool {
-	if isConnectError(err) || pgconn.SafeToRetry(err) {
-		return false
-	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		severity := cmp.Or(pgErr.SeverityUnlocalized, pgErr.Severity)
-		return severity == "FATAL" || severity == "PANIC"
-	}
-	return true
-}
-
-// notHeldError is the outcome of a reserving write that leaves the call holding nothing
-// although it may have run: it never got a pool connection (nothing was sent, err is the
-// pool's error or, when callerEnded, the caller's context error), or, callerEnded, its
-// caller's context ended while it ran and the reservation it made was released on the
-// same connection. Nothing of it is left applied (SafeToRetry).
-type notHeldError struct {
-	err         error
-	callerEnded bool
-}
-
-func (e *notHeldError) Error() string     { return e.err.Error() }
-func (e *notHeldError) Unwrap() error     { return e.err }
-func (e *notHeldError) SafeToRetry() bool { return true }
-
-// callerEnded returns the caller's context error when err is a reserving write that its
-// caller's context ended (holding nothing), else nil.
-func callerEnded(err error) error {
-	if nh := (*notHeldError)(nil); errors.As(err, &nh) && nh.callerEnded {
-		return nh.err
-	}
-	return nil
-}
-
-// isConnectError reports whether err is a failure to reach the server at all (refused,
-// timed out, network): nothing was sent to the store. A connection the server refused
-// with an error of its own (authentication failed, database missing) is a
-// misconfiguration, not an outage, and does not count.
-func isConnectError(err error) bool {
-	var connectErr *pgconn.ConnectError
-	var pgErr *pgconn.PgError
-	return errors.As(err, &connectErr) && !errors.As(err, &pgErr)
-}
-
-// Unwrap returns [ErrStoreUnavailable], [ErrNotMigrated] when that is the cause, and the
-// underlying error.
-func (e *StoreError) Unwrap() []error {
-	if e.notMigrated() {
-		return []error{ErrStoreUnavailable, ErrNotMigrated, e.Err}
-	}
-	return []error{ErrStoreUnavailable, e.Err}
-}
+type StoreError = store.Error
 
 // PermanentError marks fn's error as permanent: it is stored in the record and replayed to
 // every later call for the key until the record expires. Create it with [Permanent]. It
 // matches [ErrPermanent] and unwraps to the original error.
-type PermanentError struct {
-	// Err is the error fn returned.
-	Err error
-}
-
-// Permanent marks err as a permanent failure of the effect: the record stores err's message
-// and later calls for the key return a [*StoredFailureError] instead of running fn again.
-// Use it for failures that retrying cannot fix (card declined, address invalid). Returns
-// nil for a nil err.
-func Permanent(err error) error {
-	if err == nil {
-		return nil
-	}
-	return &PermanentError{Err: err}
-}
-
-// Error returns the original error's message; for a PermanentError made without one (a
-// literal, or a nil *PermanentError), "pgidem: permanent failure".
-func (e *PermanentError) Error() string {
-	if e == nil || e.Err == nil {
-		return ErrPermanent.Error()
-	}
-	return e.Err.Error()
-}
-
-// Unwrap returns the original error.
-func (e *PermanentError) Unwrap() error {
-	if e == nil {
-		return nil
-	}
-	return e.Err
-}
-
-// Is reports whether target is [ErrPermanent].
-func (e *PermanentError) Is(target error) bool { return target == ErrPermanent }
+type PermanentError = protocol.PermanentError
 
 // FailureNotStoredError is returned by [Do], [DoResult], [DoTx], [DoTxResult], [DoInTx]
 // and [DoInTxResult] when fn returned a
@@ -433,47 +129,20 @@ func (e *PermanentError) Is(target error) bool { return target == ErrPermanent }
 // top-level error, never wrapped, so a type assertion (err.(*FailureNotStoredError))
 // tells pgidem's verdict apart from one fn's own error may carry from a nested call;
 // errors.Is and errors.As reach both Err and Cause.
-type FailureNotStoredError struct {
-	// Err is fn's error, unchanged (it matches [ErrPermanent]).
-	Err error
-	// Cause says why it was not stored: an error matching [ErrLeaseLost] (Do's
-	// reservation was taken over; the record is the new holder's), a [*StoreError], or,
-	// for DoTx (whose writes run on the caller's context), the context's error.
-	Cause error
-}
-
-// Error returns fn's message followed by the cause.
-func (e *FailureNotStoredError) Error() string {
-	return fmt.Sprintf("%v (the failure was not stored: %v)", e.Err, e.Cause)
-}
-
-// Unwrap returns fn's error and the cause.
-func (e *FailureNotStoredError) Unwrap() []error { return []error{e.Err, e.Cause} }
+type FailureNotStoredError = protocol.FailureNotStoredError
 
 // StoredFailureError is a permanent failure replayed from the record. It matches
 // [ErrPermanent] (and [ErrResultNotStorable] when that is what was stored).
-type StoredFailureError struct {
-	// Namespace and Key identify the record.
-	Namespace, Key string
-	// Message is the message of the error given to [Permanent] (without whatever fn
-	// wrapped around it, which the first call's error still shows), as stored: a NUL character is written as
-	// the two characters \0 (jsonb cannot hold one) and a message over 64 KiB is cut at a
-	// character boundary and ends in " … (truncated)".
-	Message string
-	// NotStorable is true when the stored failure is an unencodable result rather than an
-	// error from fn.
-	NotStorable bool
-	// CompletedAt is when the failure was stored.
-	CompletedAt time.Time
-}
+type StoredFailureError = protocol.StoredFailureError
 
-// Error returns the original error's message.
-func (e *StoredFailureError) Error() string {
-	return e.Message
-}
+// Permanent marks err as a permanent failure of the effect: the record stores err's message
+// and later calls for the key return a [*StoredFailureError] instead of running fn again.
+// Use it for failures that retrying cannot fix (card declined, address invalid). Returns
+// nil for a nil err.
+func Permanent(err error) error { return protocol.Permanent(err) }
 
-// Is reports whether target is [ErrPermanent], or [ErrResultNotStorable] for a stored
-// unencodable result.
-func (e *StoredFailureError) Is(target error) bool {
-	return target == ErrPermanent || (e.NotStorable && target == ErrResultNotStorable)
+// invalidArgument returns an error matching [ErrInvalidArgument] with the message
+// "pgidem: " + fmt.Sprintf(format, args...).
+func invalidArgument(format string, args ...any) error {
+	return protocol.InvalidArgument(format, args...)
 }

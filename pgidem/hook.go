@@ -2,12 +2,12 @@ package pgidem
 
 import (
 	"context"
-	"log/slog"
-	"runtime/debug"
+
+	"github.com/pgidem/pgidem/internal/protocol"
 )
 
 // EventKind names an outcome counted through [Hook].
-type EventKind string
+type EventKind = protocol.EventKind
 
 // Event kinds. A call reports at most one of Executed, Replayed, InProgress, InvalidKey,
 // FingerprintMismatch or StoreError as its outcome (a cancelled caller reports none), plus
@@ -18,30 +18,38 @@ type EventKind string
 // can report Executed and then the outcome of its retry.
 const (
 	// EventExecuted: fn ran under a fresh or taken-over reservation.
-	EventExecuted EventKind = "executed"
+	EventExecuted = protocol.EventExecuted
 	// EventReplayed: a stored result (or stored failure) was returned without running fn.
-	EventReplayed EventKind = "replayed"
+	EventReplayed = protocol.EventReplayed
 	// EventInProgress: the call returned [ErrInProgress].
-	EventInProgress EventKind = "in_progress"
+	EventInProgress = protocol.EventInProgress
 	// EventWaited: the call waited for another holder ([InFlightWait]).
-	EventWaited EventKind = "waited"
+	EventWaited = protocol.EventWaited
 	// EventTakenOver: the call took over an expired lease; the effect may run twice.
-	EventTakenOver EventKind = "taken_over"
+	EventTakenOver = protocol.EventTakenOver
 	// EventLeaseLost: the holder found its reservation taken over.
-	EventLeaseLost EventKind = "lease_lost"
+	EventLeaseLost = protocol.EventLeaseLost
 	// EventStoreError: a database error was returned or logged.
-	EventStoreError EventKind = "store_error"
+	EventStoreError = protocol.EventStoreError
 	// EventInvalidKey: the call's input was rejected before fn ran: namespace, key,
 	// TTL, DoOpts, an inbox consumer, message id or payload, a read-only transaction
 	// given to DoTx, an aborted, committed or rolled-back transaction given to DoTx or
 	// InboxRecordTx, or a call for a key from within the fn of a call that holds it.
-	EventInvalidKey EventKind = "invalid_key"
+	EventInvalidKey = protocol.EventInvalidKey
 	// EventFingerprintMismatch: the key was reused with a different fingerprint.
-	EventFingerprintMismatch EventKind = "fingerprint_mismatch"
+	EventFingerprintMismatch = protocol.EventFingerprintMismatch
 	// EventFailOpen: fn ran unprotected because the store was unreachable ([Config.FailOpen]).
-	EventFailOpen EventKind = "fail_open"
+	EventFailOpen = protocol.EventFailOpen
 	// EventSwept: a sweep deleted expired rows; Event.Count says how many.
-	EventSwept EventKind = "swept"
+	EventSwept = protocol.EventSwept
+)
+
+// Inbox event kinds, reported to [Config.Hook] with the consumer as Event.Namespace.
+const (
+	// EventInboxRecorded: a message was recorded as new; its handler runs.
+	EventInboxRecorded = protocol.EventInboxRecorded
+	// EventInboxDuplicate: a message was already recorded; its handler is skipped.
+	EventInboxDuplicate = protocol.EventInboxDuplicate
 )
 
 // Event is one outcome reported to a [Hook].
@@ -83,31 +91,5 @@ func (f HookFunc) OnEvent(ctx context.Context, event Event) { f(ctx, event) }
 // namespace that is itself invalid is reported as "". It touches no record, returns
 // nothing, and does nothing without a Hook. Safe for concurrent use.
 func (c *Coordinator) ReportInvalidKey(ctx context.Context, namespace string) {
-	c.emitInvalid(ctx, namespace)
-}
-
-// emitInvalid reports [EventInvalidKey] for a call whose namespace (or inbox consumer) is
-// namespace: under that namespace when it is valid, else under "".
-func (c *Coordinator) emitInvalid(ctx context.Context, namespace string) {
-	if validatePart("namespace", namespace, c.config.MaxNamespaceBytes) != nil {
-		namespace = ""
-	}
-	c.emit(ctx, EventInvalidKey, namespace, 1)
-}
-
-// emit hands an event to the Hook. A panic in the Hook is logged and goes no further: it
-// must not cut the protocol short between two of its steps (a reservation left to its
-// lease, a heartbeat goroutine crashing the process).
-func (c *Coordinator) emit(ctx context.Context, kind EventKind, namespace string, count int64) {
-	if c.config.Hook == nil {
-		return
-	}
-	defer func() {
-		if p := recover(); p != nil {
-			c.config.Logger.ErrorContext(ctx, "pgidem: Hook.OnEvent panicked; the event is lost, the call goes on",
-				slog.String("event", string(kind)), slog.String("namespace", namespace),
-				slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
-		}
-	}()
-	c.config.Hook.OnEvent(ctx, Event{Kind: kind, Namespace: namespace, Count: count})
+	c.engine.ReportInvalid(ctx, namespace)
 }

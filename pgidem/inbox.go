@@ -1,30 +1,15 @@
 package pgidem
 
 import (
-	"cmp"
 	"context"
-	"encoding/json"
-	"errors"
-	"fmt"
-	"log/slog"
-	"strings"
 	"time"
-	"unicode/utf16"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/pgidem/pgidem/internal/protocol"
 )
 
 // InboxRetentionDefault is the default [InboxOpts.Retention]: seven days.
-const InboxRetentionDefault = 7 * 24 * time.Hour
-
-// Inbox event kinds, reported to [Config.Hook] with the consumer as Event.Namespace.
-const (
-	// EventInboxRecorded: a message was recorded as new; its handler runs.
-	EventInboxRecorded EventKind = "inbox_recorded"
-	// EventInboxDuplicate: a message was already recorded; its handler is skipped.
-	EventInboxDuplicate EventKind = "inbox_duplicate"
-)
+const InboxRetentionDefault = protocol.InboxRetentionDefault
 
 // InboxOpts are optional settings for [Coordinator.InboxRecordTx] and
 // [Coordinator.InboxHandle]. A nil *InboxOpts means all defaults.
@@ -54,246 +39,12 @@ type InboxOpts struct {
 	Payload []byte
 }
 
-// ErrInvalidPayload means [InboxOpts.Payload] cannot be stored in the inbox's jsonb
-// column: it is not JSON, it is JSON that jsonb rejects, or it is larger than
-// [Config.MaxValueBytes] (see InboxOpts.Payload). It is
-// returned wrapped with the reason, before any statement runs; the message is not recorded.
-var ErrInvalidPayload = errors.New("pgidem: invalid inbox payload")
-
-// inboxStatements holds the inbox's SQL with the table name quoted in.
-type inboxStatements struct {
-	record, sweep string
-}
-
-func newInboxStatements(schema string) inboxStatements {
-	t := qualify(schema, "pgidem_inbox")
-	r := strings.NewReplacer("{t}", t)
-	return inboxStatements{
-		// Record the message in one statement: take over a row past its retention, else
-		// insert; the one result column says whether this call recorded it.
-		//
-		// A live row is only read: the UPDATE's condition is judged on the statement's
-		// snapshot, so it locks nothing, and ON CONFLICT DO NOTHING takes no lock and never
-		// raises a unique violation (which would abort the caller's transaction). No
-		// transaction id is assigned, so a duplicate costs a read. (ON CONFLICT DO UPDATE …
-		// WHERE <expired> would do this in one clause, but it locks the conflicting row —
-		// and assigns an xid — before judging the WHERE, so every duplicate would write.)
-		//
-		// Concurrency, under READ COMMITTED:
-		//   - an expired row another transaction is taking over: the UPDATE waits for it;
-		//     after its commit the UPDATE re-checks the new row version (live: nothing to
-		//     take) and the INSERT conflicts, so the message is a duplicate; after its
-		//     rollback the UPDATE takes the row over.
-		//   - an expired row a sweep deletes meanwhile (before or while the UPDATE reaches
-		//     it): the UPDATE skips the deleted row and the INSERT goes ahead, so an expired
-		//     row behaves like no row even mid-statement.
-		//   - a concurrent first insert: the INSERT waits for that transaction; after its
-		//     commit it does nothing (duplicate), after its rollback it inserts.
-		record: r.Replace(`
-WITH takeover AS (
-	UPDATE {t} SET payload = $3::jsonb, received_at = statement_timestamp(),
-		expires_at = statement_timestamp() + $4 * interval '1 microsecond'
-	WHERE consumer = $1 AND message_id = $2 AND expires_at <= statement_timestamp()
-	RETURNING true
-), ins AS (
-	INSERT INTO {t} (consumer, message_id, payload, received_at, expires_at)
-	SELECT $1, $2, $3::jsonb, statement_timestamp(), statement_timestamp() + $4 * interval '1 microsecond'
-	WHERE NOT EXISTS (SELECT FROM takeover)
-	ON CONFLICT (consumer, message_id) DO NOTHING
-	RETURNING true
-)
-SELECT EXISTS (SELECT FROM takeover) OR EXISTS (SELECT FROM ins)`),
-
-		// Delete one batch of rows past their retention; see statements.sweep.
-		sweep: r.Replace(`
-DELETE FROM {t}
-WHERE (consumer, message_id) IN (
-	SELECT consumer, message_id FROM {t}
-	WHERE expires_at <= now()
-	LIMIT $1
-	FOR UPDATE SKIP LOCKED
-)`),
+// engineOpts returns the engine's form of o (nil: defaults).
+func (o *InboxOpts) engineOpts() *protocol.InboxOpts {
+	if o == nil {
+		return nil
 	}
-}
-
-// inboxCall is one validated inbox request.
-type inboxCall struct {
-	consumer, messageID string
-	retention           time.Duration
-	payload             []byte
-}
-
-func (c *Coordinator) newInboxCall(consumer, messageID string, opts *InboxOpts) (*inboxCall, error) {
-	if opts == nil {
-		opts = &InboxOpts{}
-	}
-	if err := validatePart("consumer", consumer, c.config.MaxNamespaceBytes); err != nil {
-		return nil, err
-	}
-	if err := validatePart("message_id", messageID, c.config.MaxKeyBytes); err != nil {
-		return nil, err
-	}
-	ic := &inboxCall{consumer: consumer, messageID: messageID,
-		retention: cmp.Or(opts.Retention, InboxRetentionDefault), payload: opts.Payload}
-	if ic.retention < c.config.MinTTL {
-		return nil, &InvalidTTLError{TTL: ic.retention, MinTTL: c.config.MinTTL, Lease: c.config.Lease}
-	}
-	if ic.payload != nil {
-		if err := checkPayload(ic.payload, c.config.MaxValueBytes); err != nil {
-			return nil, fmt.Errorf("%w: InboxOpts.Payload %v", ErrInvalidPayload, err)
-		}
-	}
-	return ic, nil
-}
-
-// Postgres numeric limits, in decimal digits (src/include/utils/numeric.h): the weight of
-// the leading digit (NUMERIC_WEIGHT_MAX base-10000 digits) and the digits after the
-// decimal point (NUMERIC_DSCALE_MAX), and the exponent bound of numeric input (INT_MAX/2).
-const (
-	numericMaxWeight   = 4*0x7FFF + 3 // 131071: up to 131072 digits before the point
-	numericMaxScale    = 0x3FFF       // 16383
-	numericMaxExponent = 1<<30 - 1    // INT_MAX/2, exclusive
-)
-
-// checkPayload reports why jsonb would reject b: not JSON, not valid UTF-8 (json.Valid
-// lets it through inside strings), a \u0000 escape (jsonb cannot store NUL in text), an
-// unpaired surrogate escape, or a number outside numeric's range. Each of these would
-// otherwise fail the INSERT and abort the caller's transaction.
-func checkPayload(b []byte, maxBytes int) error {
-	if len(b) > maxBytes {
-		return fmt.Errorf("is %d bytes, more than Config.MaxValueBytes (%d)", len(b), maxBytes)
-	}
-	if !json.Valid(b) {
-		return errors.New("is not valid JSON")
-	}
-	if !utf8.Valid(b) {
-		return errors.New("is not valid UTF-8")
-	}
-	for i := 0; i < len(b); {
-		var n int
-		var err error
-		switch c := b[i]; {
-		case c == '"':
-			n, err = checkPayloadString(b[i:])
-		case c == '-' || '0' <= c && c <= '9':
-			var fits bool
-			if n, fits = numericFits(b[i:]); !fits {
-				err = errors.New("contains a number outside Postgres's numeric range")
-			}
-		default:
-			n = 1
-		}
-		if err != nil {
-			return err
-		}
-		i += n
-	}
-	return nil
-}
-
-// checkPayloadString checks the escapes of the JSON string at the start of b (valid JSON)
-// and returns its length.
-func checkPayloadString(b []byte) (int, error) {
-	for i := 1; i < len(b); i++ {
-		switch b[i] {
-		case '"':
-			return i + 1, nil
-		case '\\':
-			if b[i+1] != 'u' {
-				i++ // skip the escaped character
-				continue
-			}
-			unit := hex16(b[i+2 : i+6])
-			i += 5
-			switch {
-			case unit == 0:
-				return 0, errors.New("contains a \\u0000 escape; jsonb cannot store NUL")
-			case utf16.IsSurrogate(unit) && unit < 0xDC00: // high: a low one must follow
-				if i+6 < len(b) && b[i+1] == '\\' && b[i+2] == 'u' {
-					if low := hex16(b[i+3 : i+7]); 0xDC00 <= low && low <= 0xDFFF {
-						i += 6
-						continue
-					}
-				}
-				return 0, errors.New("contains an unpaired UTF-16 surrogate escape")
-			case utf16.IsSurrogate(unit):
-				return 0, errors.New("contains an unpaired UTF-16 surrogate escape")
-			}
-		}
-	}
-	return len(b), nil
-}
-
-// hex16 decodes the four hexadecimal digits of a \u escape (checked by json.Valid).
-func hex16(h []byte) rune {
-	var v rune
-	for _, c := range h {
-		switch {
-		case c <= '9':
-			c -= '0'
-		case c >= 'a':
-			c -= 'a' - 10
-		default:
-			c -= 'A' - 10
-		}
-		v = v<<4 | rune(c)
-	}
-	return v
-}
-
-// numericFits returns the length of the JSON number at the start of b (valid JSON) and
-// whether Postgres's numeric input accepts it.
-func numericFits(b []byte) (int, bool) {
-	i := 0
-	if b[i] == '-' {
-		i++
-	}
-	digits := func() (start, end int) {
-		start = i
-		for i < len(b) && '0' <= b[i] && b[i] <= '9' {
-			i++
-		}
-		return start, i
-	}
-	intStart, intEnd := digits()
-	fracStart, fracEnd := i, i
-	if i < len(b) && b[i] == '.' {
-		i++
-		fracStart, fracEnd = digits()
-	}
-	var exp int64
-	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
-		i++
-		negative := b[i] == '-'
-		if b[i] == '+' || b[i] == '-' {
-			i++
-		}
-		expStart, expEnd := digits()
-		for _, c := range b[expStart:expEnd] {
-			exp = min(exp*10+int64(c-'0'), numericMaxExponent) // saturate: no overflow
-		}
-		if negative {
-			exp = -exp
-		}
-	}
-	if exp >= numericMaxExponent || exp <= -numericMaxExponent {
-		return i, false
-	}
-	if scale := int64(fracEnd-fracStart) - exp; scale > numericMaxScale {
-		return i, false
-	}
-	// The weight of the leading non-zero digit; zero has none.
-	mantissa := [2][]byte{b[intStart:intEnd], b[fracStart:fracEnd]}
-	leading := int64(intEnd - intStart - 1)
-	for _, part := range mantissa {
-		for _, c := range part {
-			if c != '0' {
-				return i, leading+exp <= numericMaxWeight
-			}
-			leading--
-		}
-	}
-	return i, true
+	return &protocol.InboxOpts{Retention: o.Retention, Payload: o.Payload}
 }
 
 // InboxRecordTx records message messageID of consumer in the caller's transaction tx and
@@ -329,49 +80,7 @@ func numericFits(b []byte) (int, bool) {
 // Cancelling ctx ends the statement (pgx may close the connection, which ends tx). Safe
 // for concurrent use on different transactions.
 func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, messageID string, opts *InboxOpts) (bool, error) {
-	ic, err := c.newInboxCall(consumer, messageID, opts)
-	if err == nil {
-		err = checkNotHeld(ctx, "InboxRecordTx", c.config.Schema, consumer, messageID, true)
-	}
-	if err != nil {
-		c.emitInvalid(ctx, consumer)
-		return false, err
-	}
-	if tx == nil {
-		return false, invalidArgument("InboxRecordTx: tx is nil")
-	}
-	return c.inboxRecord(ctx, tx, ic, true)
-}
-
-// inboxRecord records ic's message in db. callersTx is true when db is the caller's
-// transaction (InboxRecordTx): one already ended or aborted is then the caller's mistake,
-// not a store error.
-func (c *Coordinator) inboxRecord(ctx context.Context, db executor, ic *inboxCall, callersTx bool) (bool, error) {
-	var inserted bool
-	err := db.QueryRow(ctx, c.sql.inbox.record, ic.consumer, ic.messageID, jsonText(ic.payload),
-		micros(ic.retention)).Scan(&inserted)
-	if txErr := unusableTx("InboxRecordTx", err); callersTx && txErr != nil {
-		c.emitInvalid(ctx, ic.consumer)
-		return false, txErr
-	}
-	if err != nil {
-		return false, c.inboxStoreError(ctx, ic, "inbox", err)
-	}
-	if !inserted {
-		if c.config.Logger.Enabled(ctx, slog.LevelDebug) { // keep the duplicate path allocation-free
-			c.config.Logger.DebugContext(ctx, "pgidem: inbox duplicate skipped",
-				slog.String("consumer", ic.consumer), slog.String("message_id", ic.messageID))
-		}
-		c.emit(ctx, EventInboxDuplicate, ic.consumer, 1)
-		return false, nil
-	}
-	c.emit(ctx, EventInboxRecorded, ic.consumer, 1)
-	return true, nil
-}
-
-func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op string, err error) error {
-	return c.reportStoreError(ctx, ic.consumer, storeError(op, err),
-		slog.String("consumer", ic.consumer), slog.String("message_id", ic.messageID))
+	return c.engine.InboxRecordTx(ctx, tx, consumer, messageID, opts.engineOpts())
 }
 
 // InboxHandle handles message messageID of consumer at most once: it begins a transaction
@@ -408,62 +117,5 @@ func (c *Coordinator) inboxStoreError(ctx context.Context, ic *inboxCall, op str
 // ends, and the next delivery runs the effect again. Cancelling ctx ends the current statement (pgx may close the connection) and
 // the transaction rolls back. Safe for concurrent use.
 func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID string, opts *InboxOpts, fn func(ctx context.Context, tx pgx.Tx) error) (handled bool, err error) {
-	if fn == nil {
-		return false, invalidArgument("InboxHandle: fn must not be nil")
-	}
-	ic, err := c.newInboxCall(consumer, messageID, opts)
-	if err == nil {
-		err = checkNotHeld(ctx, "InboxHandle", c.config.Schema, consumer, messageID, true)
-	}
-	if err != nil {
-		c.emitInvalid(ctx, consumer)
-		return false, err
-	}
-	if err := ctx.Err(); err != nil {
-		return false, err
-	}
-	// READ WRITE explicitly: a pool whose sessions default to read-only transactions
-	// still records, and a server that refuses writes (a hot standby) fails the BEGIN as
-	// a store error.
-	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted, AccessMode: pgx.ReadWrite})
-	if err != nil {
-		return false, c.inboxStoreError(ctx, ic, "begin", err)
-	}
-	ended := false
-	defer func() {
-		if !ended { // error or panic
-			c.rollbackDetached(ctx, tx)
-		}
-	}()
-	isNew, err := c.inboxRecord(ctx, tx, ic, false)
-	if err != nil {
-		return false, err
-	}
-	if !isNew {
-		// Nothing was written. Should ctx be cancelled now, pgx closes the connection and
-		// the server ends the transaction just the same.
-		ended = true
-		_ = tx.Rollback(ctx)
-		return false, nil
-	}
-	if fnErr := fn(withKey(ctx, c.config.Schema, consumer, messageID, true), tx); fnErr != nil {
-		ended = true
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
-		defer cancel()
-		if err := tx.Rollback(rctx); errors.Is(err, pgx.ErrTxClosed) {
-			// fn committed or rolled back tx itself and then failed: its error does not say
-			// what happened to the message (after a commit the redelivery is skipped), so
-			// it is refused as a fn that returns nil is, keeping fn's error in the chain.
-			return false, fmt.Errorf("%w (fn returned: %w)", commitRefused("InboxHandle", err), fnErr)
-		}
-		return false, fnErr
-	}
-	ended = true
-	if err := tx.Commit(ctx); err != nil {
-		if refused := commitRefused("InboxHandle", err); refused != nil {
-			return false, refused
-		}
-		return false, c.inboxStoreError(ctx, ic, "commit", err)
-	}
-	return true, nil
+	return c.engine.InboxHandle(ctx, consumer, messageID, opts.engineOpts(), fn)
 }

@@ -2,55 +2,9 @@ package pgidem
 
 import (
 	"context"
-	"fmt"
-	"unicode"
-	"unicode/utf8"
+
+	"github.com/pgidem/pgidem/internal/protocol"
 )
-
-// validateKey checks a namespace and key against the rules in [ErrInvalidKey].
-func (c *Coordinator) validateKey(namespace, key string) error {
-	if err := validatePart("namespace", namespace, c.config.MaxNamespaceBytes); err != nil {
-		return err
-	}
-	return validatePart("key", key, c.config.MaxKeyBytes)
-}
-
-func validatePart(field, s string, maxBytes int) error {
-	if s == "" {
-		return &InvalidKeyError{Field: field, Reason: "is empty"}
-	}
-	if len(s) > maxBytes {
-		return &InvalidKeyError{Field: field, Reason: fmt.Sprintf("is %d bytes, longer than the limit of %d", len(s), maxBytes)}
-	}
-	for i, r := range s {
-		if r == utf8.RuneError {
-			if _, size := utf8.DecodeRuneInString(s[i:]); size <= 1 {
-				return &InvalidKeyError{Field: field, Reason: fmt.Sprintf("is not valid UTF-8 at byte %d", i)}
-			}
-		}
-		if unicode.IsControl(r) {
-			return &InvalidKeyError{Field: field, Reason: fmt.Sprintf("contains control character %U at byte %d", r, i)}
-		}
-	}
-	return nil
-}
-
-type keyContextKey struct{}
-
-// keyInfo is a key a call holds while its fn runs, linked to the key held by the call
-// whose fn made that call (nil at the outermost). schema tells the record tables of
-// coordinators apart; an inbox entry holds a message (namespace: the consumer, key: the
-// message id) rather than a record.
-type keyInfo struct {
-	schema, namespace, key string
-	inbox                  bool
-	outer                  *keyInfo
-}
-
-func withKey(ctx context.Context, schema, namespace, key string, inbox bool) context.Context {
-	outer, _ := ctx.Value(keyContextKey{}).(*keyInfo)
-	return context.WithValue(ctx, keyContextKey{}, &keyInfo{schema, namespace, key, inbox, outer})
-}
 
 // KeyFromContext returns the namespace and idempotency key of the reservation fn runs
 // under; ok is false outside the fn of Do or DoTx (an [Coordinator.InboxHandle] fn holds
@@ -59,34 +13,5 @@ func withKey(ctx context.Context, schema, namespace, key string, inbox bool) con
 // is the only crash-safe boundary for a foreign effect, and reusing the same key there makes
 // a takeover's second run harmless.
 func KeyFromContext(ctx context.Context) (namespace, key string, ok bool) {
-	info, _ := ctx.Value(keyContextKey{}).(*keyInfo)
-	for ; info != nil; info = info.outer {
-		if !info.inbox {
-			return info.namespace, info.key, true
-		}
-	}
-	return "", "", false
-}
-
-// checkNotHeld refuses a call for (namespace, key) of the schema's records (or, with
-// inbox, for the consumer's message) made from within the fn of a call that holds that
-// same key, directly or through calls for other keys in between (A's fn calls B, whose
-// fn calls A): the inner call would wait for the outer one, which waits for it, or (DoTx
-// in the same transaction, whose lock is re-entrant) find no record yet and run fn again
-// and again. Only coordinators known to use different schemas (both named, and
-// different) are taken to hold different records: "" is the search_path's schema, which
-// may be any named one, and coordinators on different databases are not told apart, so
-// the guard refuses rather than risk a call waiting for itself.
-func checkNotHeld(ctx context.Context, op, schema, namespace, key string, inbox bool) error {
-	info, _ := ctx.Value(keyContextKey{}).(*keyInfo)
-	for ; info != nil; info = info.outer {
-		sameSchema := info.schema == schema || info.schema == "" || schema == ""
-		if sameSchema && info.namespace == namespace && info.key == key && info.inbox == inbox {
-			if inbox {
-				return invalidArgument("%s: consumer %q message %q is handled from within the fn handling it", op, namespace, key)
-			}
-			return invalidArgument("%s: %s/%s is called from within the fn of a call holding that key", op, namespace, key)
-		}
-	}
-	return nil
+	return protocol.KeyFromContext(ctx)
 }

@@ -1,4 +1,4 @@
-package pgidem
+package protocol
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/pgidem/pgidem/internal/store"
 )
 
 // heartbeat renews a held lease every lease/3 until stopped.
@@ -33,7 +34,7 @@ type heartbeat struct {
 // succeed (a slow store is not a lost lease), and one that succeeds proves that nobody
 // took the key over before it. The verdict only stops fn: whether the lease really was
 // lost is decided by the finishing write, which is conditional on the owner token.
-func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype.UUID, leaseFrom time.Time, cancelFn context.CancelCauseFunc) *heartbeat {
+func (c *Engine) startHeartbeat(ctx context.Context, cl *Call, owner pgtype.UUID, leaseFrom time.Time, cancelFn context.CancelCauseFunc) *heartbeat {
 	hb := &heartbeat{stopCh: make(chan struct{}), done: make(chan struct{})}
 	// The heartbeat outlives a cancelled caller until fn returns; stop ends it.
 	ctx, hb.cancel = context.WithCancel(context.WithoutCancel(ctx))
@@ -66,14 +67,14 @@ func (c *Coordinator) startHeartbeat(ctx context.Context, cl *call, owner pgtype
 			timeout := max(interval, time.Until(deadline))
 			renewCtx, cancel := context.WithTimeout(ctx, timeout)
 			sent := time.Now()
-			tag, err := c.pool.Exec(renewCtx, c.sql.heartbeat, cl.namespace, cl.key, owner, micros(cl.lease), micros(cl.ttl))
+			tag, err := c.pool.Exec(renewCtx, c.sql.Heartbeat, cl.namespace, cl.key, owner, store.Micros(cl.lease), store.Micros(cl.ttl))
 			cancel()
 			switch {
 			case err != nil && ctx.Err() != nil:
 				return // stopped
-			case isSerializationFailure(err) && hb.finished.Load():
+			case store.IsSerializationFailure(err) && hb.finished.Load():
 				return // the finishing write won (under a stricter default isolation)
-			case isSerializationFailure(err):
+			case store.IsSerializationFailure(err):
 				// Another write changed the row first (a stricter default isolation says so
 				// with 40001): the next renewal, on a fresh snapshot, tells which.
 				next.Reset(interval / 4)

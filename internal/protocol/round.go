@@ -1,4 +1,4 @@
-package pgidem
+package protocol
 
 import (
 	"context"
@@ -11,29 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/pgidem/pgidem/internal/store"
 )
-
-// Group commit for the two writes every fresh key makes: the reserving insert and the
-// completion. Concurrent calls that reach one of them while the coordinator already has
-// such a statement in flight queue up, and the next statement carries all of them (up to
-// Config.MaxBatch) as arrays: one round trip and one commit for many keys. A call that
-// finds nothing in flight runs at once, alone, with the single-key statement, so batching
-// adds no latency when there is no concurrency and the sequential benchmarks are
-// unchanged.
-//
-// No goroutine is started: the first caller of a round runs the statement for everyone
-// queued ("leads") and then hands the lead to the first caller that queued meanwhile.
-//
-// Every round, even a round of one, runs under a short lock_timeout, so a key blocked
-// behind another transaction's uncommitted record (an open DoTx) or row lock cannot hold up
-// the rounds behind it: a round the server refuses for any reason (a lock timeout, a
-// deadlock, a value one member's jsonb rejects) rolled back whole, and each of its members
-// then runs its own single-key statement outside the batcher, exactly as without batching
-// (and may wait there, alone).
-
-// batchLockTimeout bounds how long a round waits for a lock before it gives up and its
-// members run one by one.
-const batchLockTimeout = "50ms"
 
 // errBatchFallback tells a member to run its own single-key statement: its batch rolled
 // back.
@@ -177,22 +156,22 @@ func (b *batcher[Req, Res]) wait(ctx context.Context, it *batchItem[Req, Res]) (
 // released on the round's connection).
 type reserveReq struct {
 	ctx   context.Context
-	cl    *call
-	owner pgtype.UUID
+	cl    *Call
+	Owner pgtype.UUID
 }
 
 // completeReq is one completing write (a result or a stored failure).
 type completeReq struct {
-	cl              *call
-	owner           pgtype.UUID
-	status          Status
-	result, failure []byte
+	cl              *Call
+	Owner           pgtype.UUID
+	Status          store.Status
+	Result, Failure []byte
 }
 
 // runReserves runs a round of reserving inserts for items (the leader first), as
 // leadReserves with the members given; for tests.
-func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserveReq, row]) {
-	c.leadReserves(ctx, items[0], func(time.Duration) []*batchItem[reserveReq, row] { return items[1:] })
+func (c *Engine) runReserves(ctx context.Context, items []*batchItem[reserveReq, store.Row]) {
+	c.leadReserves(ctx, items[0], func(time.Duration) []*batchItem[reserveReq, store.Row] { return items[1:] })
 }
 
 // leadReserves runs one round of reserving inserts: the single-key statement for one, the
@@ -206,13 +185,13 @@ func (c *Coordinator) runReserves(ctx context.Context, items []*batchItem[reserv
 // of them to lead, on its own context, and free to leave when theirs ends. A wait that
 // outlasts FinishTimeout also fails the members queued for FinishTimeout or longer, who
 // have waited as long; those queued since stay, and the next of them leads.
-func (c *Coordinator) leadReserves(ctx context.Context, leader *batchItem[reserveReq, row], take func(waited time.Duration) []*batchItem[reserveReq, row]) {
+func (c *Engine) leadReserves(ctx context.Context, leader *batchItem[reserveReq, store.Row], take func(waited time.Duration) []*batchItem[reserveReq, store.Row]) {
 	ctx, cancel, conn, err := c.detachedConn(ctx, false)
 	if err != nil {
-		leader.res, leader.err = row{}, err
+		leader.res, leader.err = store.Row{}, err
 		if !err.(*notHeldError).callerEnded {
 			for _, it := range take(c.config.FinishTimeout) {
-				it.res, it.err = row{}, err
+				it.res, it.err = store.Row{}, err
 				if callerErr := it.req.ctx.Err(); callerErr != nil {
 					it.err = &notHeldError{err: callerErr, callerEnded: true}
 				}
@@ -220,7 +199,7 @@ func (c *Coordinator) leadReserves(ctx context.Context, leader *batchItem[reserv
 		}
 		return
 	}
-	items := append([]*batchItem[reserveReq, row]{leader}, take(0)...)
+	items := append([]*batchItem[reserveReq, store.Row]{leader}, take(0)...)
 	held := &heldConn{pool: c.pool, conn: conn}
 	defer cancel()
 	defer held.release()
@@ -228,12 +207,12 @@ func (c *Coordinator) leadReserves(ctx context.Context, leader *batchItem[reserv
 	if len(items) == 1 {
 		it := items[0]
 		cl := it.req.cl
-		err = c.inRound(ctx, conn, c.sql.reserveRound, []any{cl.namespace, cl.key, it.req.owner, cl.fingerprint,
-			micros(cl.lease), micros(cl.ttl)}, func(rows pgx.Rows) error {
+		err = c.inRound(ctx, conn, c.sql.ReserveRound, []any{cl.namespace, cl.key, it.req.Owner, cl.fingerprint,
+			store.Micros(cl.lease), store.Micros(cl.ttl)}, func(rows pgx.Rows) error {
 			it.err = pgx.ErrNoRows
 			if rows.Next() {
-				var r row
-				if err := rows.Scan(r.scanTargets(true)...); err != nil {
+				var r store.Row
+				if err := rows.Scan(r.ScanTargets(true)...); err != nil {
 					return err
 				}
 				it.res, it.err = r, nil
@@ -247,14 +226,14 @@ func (c *Coordinator) leadReserves(ctx context.Context, leader *batchItem[reserv
 		leases, ttls := make([]int64, n), make([]int64, n)
 		for i, it := range items {
 			cl := it.req.cl
-			namespaces[i], keys[i], owners[i], fingerprints[i] = cl.namespace, cl.key, it.req.owner, cl.fingerprint
-			leases[i], ttls[i] = micros(cl.lease), micros(cl.ttl)
+			namespaces[i], keys[i], owners[i], fingerprints[i] = cl.namespace, cl.key, it.req.Owner, cl.fingerprint
+			leases[i], ttls[i] = store.Micros(cl.lease), store.Micros(cl.ttl)
 			it.err = pgx.ErrNoRows
 		}
-		err = c.inRound(ctx, conn, c.sql.reserveMany, []any{namespaces, keys, owners, fingerprints, leases, ttls}, func(rows pgx.Rows) error {
+		err = c.inRound(ctx, conn, c.sql.ReserveMany, []any{namespaces, keys, owners, fingerprints, leases, ttls}, func(rows pgx.Rows) error {
 			var ord int64
-			var r row
-			targets := append([]any{&ord}, r.scanTargets(true)...)
+			var r store.Row
+			targets := append([]any{&ord}, r.ScanTargets(true)...)
 			for rows.Next() {
 				if err := rows.Scan(targets...); err != nil {
 					return err
@@ -273,11 +252,11 @@ func (c *Coordinator) leadReserves(ctx context.Context, leader *batchItem[reserv
 		// safe), or the outcome is unknown (the connection failed, the session ended):
 		// reserveWrite then looks for its own reservation before it writes again.
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && !mayHaveApplied(err) {
+		if errors.As(err, &pgErr) && !store.MayHaveApplied(err) {
 			err = errBatchFallback
 		}
 		for _, it := range items {
-			it.res, it.err = row{}, err
+			it.res, it.err = store.Row{}, err
 		}
 	}
 }
@@ -287,15 +266,15 @@ func (c *Coordinator) leadReserves(ctx context.Context, leader *batchItem[reserv
 // *notHeldError): released later, on another connection, a full pool could keep the
 // release waiting and the key in progress for a lease. A member whose release fails keeps
 // its row, and acquire tries again.
-func (c *Coordinator) releaseEnded(ctx context.Context, q *heldConn, items []*batchItem[reserveReq, row]) {
+func (c *Engine) releaseEnded(ctx context.Context, q *heldConn, items []*batchItem[reserveReq, store.Row]) {
 	for _, it := range items {
 		callerErr := it.req.ctx.Err()
-		if it.err != nil || !it.res.inserted || callerErr == nil {
+		if it.err != nil || !it.res.Inserted || callerErr == nil {
 			continue
 		}
-		err := c.finishOn(ctx, q, it.req.cl, it.req.owner, "release", c.sql.release)
+		err := c.finishOn(ctx, q, it.req.cl, it.req.Owner, "release", c.sql.Release)
 		if err == nil || errors.Is(err, errFinishNoRow) {
-			it.res, it.err = row{}, &notHeldError{err: callerErr, callerEnded: true}
+			it.res, it.err = store.Row{}, &notHeldError{err: callerErr, callerEnded: true}
 		}
 	}
 }
@@ -303,14 +282,14 @@ func (c *Coordinator) releaseEnded(ctx context.Context, q *heldConn, items []*ba
 // runCompletes runs one round of completing writes. A member whose reservation was no
 // longer its own gets errFinishNoRow; any failure of the round sends every member to its
 // own single-key write (which retries), since completing is safe to repeat.
-func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[completeReq, struct{}]) {
+func (c *Engine) runCompletes(ctx context.Context, items []*batchItem[completeReq, struct{}]) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
 	var err error
 	if len(items) == 1 {
 		it, q := items[0], items[0].req
-		err = c.inRound(ctx, c.pool, c.sql.completeRound, []any{q.cl.namespace, q.cl.key, q.owner, q.status, jsonText(q.result),
-			jsonText(q.failure), micros(q.cl.ttl)}, func(rows pgx.Rows) error {
+		err = c.inRound(ctx, c.pool, c.sql.CompleteRound, []any{q.cl.namespace, q.cl.key, q.Owner, q.Status, store.JSONText(q.Result),
+			store.JSONText(q.Failure), store.Micros(q.cl.ttl)}, func(rows pgx.Rows) error {
 			rows.Close()
 			if rows.CommandTag().RowsAffected() == 0 {
 				it.err = errFinishNoRow
@@ -328,12 +307,12 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 		byOwner := make(map[pgtype.UUID]*batchItem[completeReq, struct{}], n)
 		for i, it := range items {
 			q := it.req
-			namespaces[i], keys[i], owners[i], statuses[i] = q.cl.namespace, q.cl.key, q.owner, string(q.status)
-			results[i], failures[i], ttls[i] = jsonText(q.result), jsonText(q.failure), micros(q.cl.ttl)
-			byOwner[q.owner] = it
+			namespaces[i], keys[i], owners[i], statuses[i] = q.cl.namespace, q.cl.key, q.Owner, string(q.Status)
+			results[i], failures[i], ttls[i] = store.JSONText(q.Result), store.JSONText(q.Failure), store.Micros(q.cl.ttl)
+			byOwner[q.Owner] = it
 		}
 		args := append(slices.Clip(c.planEach), namespaces, keys, owners, statuses, results, failures, ttls)
-		err = c.inRound(ctx, c.pool, c.sql.completeMany, args, func(rows pgx.Rows) error {
+		err = c.inRound(ctx, c.pool, c.sql.CompleteMany, args, func(rows pgx.Rows) error {
 			var owner pgtype.UUID
 			for rows.Next() {
 				if err := rows.Scan(&owner); err != nil {
@@ -361,7 +340,7 @@ func (c *Coordinator) runCompletes(ctx context.Context, items []*batchItem[compl
 
 // inRound runs one of the round statements (which carry roundGuard) on q and hands its
 // rows to scan.
-func (c *Coordinator) inRound(ctx context.Context, q executor, sql string, args []any, scan func(pgx.Rows) error) error {
+func (c *Engine) inRound(ctx context.Context, q store.Executor, sql string, args []any, scan func(pgx.Rows) error) error {
 	rows, err := q.Query(ctx, sql, args...)
 	if err != nil {
 		return err

@@ -1,11 +1,13 @@
-package pgidem
+package protocol
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -17,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgidem/pgidem/internal/store"
 	"github.com/pgidem/pgidem/internal/testdb"
 )
 
@@ -203,21 +206,21 @@ func TestBatcherPanickingRoundReleasesWaiters(t *testing.T) {
 }
 
 // batchFixture is a coordinator on a fresh database, for driving rounds directly.
-func batchFixture(t *testing.T) (*Coordinator, *testdb.DB) {
+func batchFixture(t *testing.T) (*Engine, *testdb.DB) {
 	t.Helper()
 	db := testdb.New(t)
-	c, err := NewCoordinator(db.Pool, &Config{MinTTL: 2 * time.Second, Lease: time.Second})
+	c, err := newTestEngine(db.Pool, Settings{MinTTL: 2 * time.Second, Lease: time.Second})
 	require.NoError(t, err)
 	return c, db
 }
 
-func reserveItems(t *testing.T, c *Coordinator, keys ...string) []*batchItem[reserveReq, row] {
+func reserveItems(t *testing.T, c *Engine, keys ...string) []*batchItem[reserveReq, store.Row] {
 	t.Helper()
-	var items []*batchItem[reserveReq, row]
+	var items []*batchItem[reserveReq, store.Row]
 	for _, k := range keys {
 		cl, err := c.newCall("ns", k, time.Hour, nil)
 		require.NoError(t, err)
-		items = append(items, &batchItem[reserveReq, row]{req: reserveReq{ctx: context.Background(), cl: cl, owner: newOwner()}})
+		items = append(items, &batchItem[reserveReq, store.Row]{req: reserveReq{ctx: context.Background(), cl: cl, Owner: store.NewOwner()}})
 	}
 	return items
 }
@@ -225,9 +228,9 @@ func reserveItems(t *testing.T, c *Coordinator, keys ...string) []*batchItem[res
 func TestRoundReservesManyKeys(t *testing.T) {
 	c, db := batchFixture(t)
 	ctx := context.Background()
-	_, err := Do(ctx, c, "ns", "done", time.Hour, nil, func(context.Context) (string, error) { return "v", nil })
+	_, err := doString(ctx, c, "ns", "done", time.Hour, nil, func(context.Context) (string, error) { return "v", nil })
 	require.NoError(t, err)
-	_, err = Do(ctx, c, "ns", "old", time.Hour, nil, func(context.Context) (string, error) { return "v", nil })
+	_, err = doString(ctx, c, "ns", "old", time.Hour, nil, func(context.Context) (string, error) { return "v", nil })
 	require.NoError(t, err)
 	_, err = db.Pool.Exec(ctx, "UPDATE pgidem_record SET expires_at = now() - interval '1 second' WHERE key = 'old'")
 	require.NoError(t, err)
@@ -238,30 +241,30 @@ func TestRoundReservesManyKeys(t *testing.T) {
 
 	newA, done, newB, dupA, old := items[0], items[1], items[2], items[3], items[4]
 	require.NoError(t, newA.err)
-	require.True(t, newA.res.inserted)
-	require.Equal(t, newA.req.owner, newA.res.owner, "the row carries the caller's owner token")
-	require.Equal(t, StatusInProgress, newA.res.status)
-	require.Equal(t, 1, newA.res.attempts)
-	require.False(t, newA.res.dbNow.IsZero())
+	require.True(t, newA.res.Inserted)
+	require.Equal(t, newA.req.Owner, newA.res.Owner, "the row carries the caller's owner token")
+	require.Equal(t, store.StatusInProgress, newA.res.Status)
+	require.Equal(t, 1, newA.res.Attempts)
+	require.False(t, newA.res.DBNow.IsZero())
 
 	require.NoError(t, done.err)
-	require.False(t, done.res.inserted)
-	require.Equal(t, StatusCompleted, done.res.status)
-	require.JSONEq(t, `"v"`, string(done.res.result))
+	require.False(t, done.res.Inserted)
+	require.Equal(t, store.StatusCompleted, done.res.Status)
+	require.JSONEq(t, `"v"`, string(done.res.Result))
 
 	require.NoError(t, newB.err)
-	require.True(t, newB.res.inserted)
-	require.Equal(t, []byte("fp-b"), newB.res.fingerprint)
+	require.True(t, newB.res.Inserted)
+	require.Equal(t, []byte("fp-b"), newB.res.Fingerprint)
 
 	require.ErrorIs(t, dupA.err, pgx.ErrNoRows, "a key twice in one round: the second reads again")
 
 	require.NoError(t, old.err)
-	require.False(t, old.res.inserted)
-	require.True(t, old.res.expired, "an expired row is reported for takeover, not overwritten")
+	require.False(t, old.res.Inserted)
+	require.True(t, old.res.Expired, "an expired row is reported for takeover, not overwritten")
 
-	rec, err := c.Lookup(ctx, "ns", "new-a")
+	rec, err := c.Lookup(ctx, c.pool, "ns", "new-a")
 	require.NoError(t, err)
-	require.Equal(t, StatusInProgress, rec.Status)
+	require.Equal(t, store.StatusInProgress, rec.Status)
 	require.Nil(t, rec.Fingerprint)
 	require.WithinDuration(t, rec.CreatedAt.Add(time.Second), rec.LeaseExpiresAt, 100*time.Millisecond, "lease from the call")
 	require.WithinDuration(t, rec.CreatedAt.Add(time.Second+time.Hour), rec.ExpiresAt, 100*time.Millisecond, "a TTL after the call's lease")
@@ -274,38 +277,38 @@ func TestRoundCompletesManyKeys(t *testing.T) {
 	c.runReserves(ctx, items)
 	for _, it := range items {
 		require.NoError(t, it.err)
-		require.True(t, it.res.inserted)
+		require.True(t, it.res.Inserted)
 	}
 
-	failure, err := json.Marshal(storedFailure{Message: "card declined"})
+	failure, err := json.Marshal(store.StoredFailure{Message: "card declined"})
 	require.NoError(t, err)
 	completes := []*batchItem[completeReq, struct{}]{
-		{req: completeReq{cl: items[0].req.cl, owner: items[0].req.owner, status: StatusCompleted, result: []byte(`{"id":"em_1"}`)}},
-		{req: completeReq{cl: items[1].req.cl, owner: items[1].req.owner, status: StatusFailed, failure: failure}},
-		{req: completeReq{cl: items[2].req.cl, owner: newOwner(), status: StatusCompleted, result: []byte(`1`)}},
+		{req: completeReq{cl: items[0].req.cl, Owner: items[0].req.Owner, Status: store.StatusCompleted, Result: []byte(`{"id":"em_1"}`)}},
+		{req: completeReq{cl: items[1].req.cl, Owner: items[1].req.Owner, Status: store.StatusFailed, Failure: failure}},
+		{req: completeReq{cl: items[2].req.cl, Owner: store.NewOwner(), Status: store.StatusCompleted, Result: []byte(`1`)}},
 	}
 	c.runCompletes(ctx, completes)
 	require.NoError(t, completes[0].err)
 	require.NoError(t, completes[1].err)
 	require.ErrorIs(t, completes[2].err, errFinishNoRow, "another owner's reservation is not completed")
 
-	a, err := c.Lookup(ctx, "ns", "a")
+	a, err := c.Lookup(ctx, c.pool, "ns", "a")
 	require.NoError(t, err)
-	require.Equal(t, StatusCompleted, a.Status)
+	require.Equal(t, store.StatusCompleted, a.Status)
 	require.JSONEq(t, `{"id":"em_1"}`, string(a.Result))
 	require.Nil(t, a.Error)
 	require.True(t, a.LeaseExpiresAt.IsZero())
 	require.WithinDuration(t, a.CompletedAt.Add(time.Hour), a.ExpiresAt, 100*time.Millisecond, "TTL from completion")
 
-	b, err := c.Lookup(ctx, "ns", "b")
+	b, err := c.Lookup(ctx, c.pool, "ns", "b")
 	require.NoError(t, err)
-	require.Equal(t, StatusFailed, b.Status)
+	require.Equal(t, store.StatusFailed, b.Status)
 	require.JSONEq(t, string(failure), string(b.Error))
 	require.Nil(t, b.Result)
 
-	cRec, err := c.Lookup(ctx, "ns", "c")
+	cRec, err := c.Lookup(ctx, c.pool, "ns", "c")
 	require.NoError(t, err)
-	require.Equal(t, StatusInProgress, cRec.Status)
+	require.Equal(t, store.StatusInProgress, cRec.Status)
 }
 
 func TestRoundRefusedByServerRollsBackAndFallsBack(t *testing.T) {
@@ -314,16 +317,16 @@ func TestRoundRefusedByServerRollsBackAndFallsBack(t *testing.T) {
 	items := reserveItems(t, c, "ok", "bad")
 	c.runReserves(ctx, items)
 	completes := []*batchItem[completeReq, struct{}]{
-		{req: completeReq{cl: items[0].req.cl, owner: items[0].req.owner, status: StatusCompleted, result: []byte(`"fine"`)}},
+		{req: completeReq{cl: items[0].req.cl, Owner: items[0].req.Owner, Status: store.StatusCompleted, Result: []byte(`"fine"`)}},
 		// An unpaired surrogate: valid to encoding/json, refused by jsonb.
-		{req: completeReq{cl: items[1].req.cl, owner: items[1].req.owner, status: StatusCompleted, result: []byte(`"\ud800"`)}},
+		{req: completeReq{cl: items[1].req.cl, Owner: items[1].req.Owner, Status: store.StatusCompleted, Result: []byte(`"\ud800"`)}},
 	}
 	c.runCompletes(ctx, completes)
 	require.ErrorIs(t, completes[0].err, errBatchFallback)
 	require.ErrorIs(t, completes[1].err, errBatchFallback)
-	rec, err := c.Lookup(ctx, "ns", "ok")
+	rec, err := c.Lookup(ctx, c.pool, "ns", "ok")
 	require.NoError(t, err)
-	require.Equal(t, StatusInProgress, rec.Status, "the refused round wrote nothing")
+	require.Equal(t, store.StatusInProgress, rec.Status, "the refused round wrote nothing")
 }
 
 // poolOfOne returns a pool of one connection on db, closed at cleanup.
@@ -340,11 +343,11 @@ func poolOfOne(t *testing.T, db *testdb.DB) *pgxpool.Pool {
 
 // reserveInBackground runs a Do with ReserveFirst for key on c in a goroutine and returns
 // where its error arrives.
-func reserveInBackground(ctx context.Context, c *Coordinator, key string) chan error {
+func reserveInBackground(ctx context.Context, c *Engine, key string) chan error {
 	done := make(chan error, 1)
 	go func() {
-		_, err := DoResult(ctx, c, "ns", key, time.Hour, &DoOpts{ReserveFirst: true},
-			func(context.Context) (int, error) { return 1, nil })
+		_, err := doString(ctx, c, "ns", key, time.Hour, &Opts{ReserveFirst: true},
+			func(context.Context) (string, error) { return "1", nil })
 		done <- err
 	}()
 	return done
@@ -360,7 +363,7 @@ func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
 	_, db := batchFixture(t)
 	ctx := context.Background()
 	pool := poolOfOne(t, db)
-	c, err := NewCoordinator(pool, nil)
+	c, err := newTestEngine(pool, Settings{})
 	require.NoError(t, err)
 	held, err := pool.Acquire(ctx)
 	require.NoError(t, err)
@@ -386,13 +389,13 @@ func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
 		t.Fatal("a queued caller whose context ended still waited for the round's leader")
 	}
 	require.ErrorIs(t, err, context.Canceled)
-	require.NotErrorIs(t, err, ErrStoreUnavailable)
+	require.NotErrorIs(t, err, store.ErrUnavailable)
 	cancelLeader()
 	require.ErrorIs(t, <-leader, context.Canceled)
 	held.Release() // the next caller, leading now on its own context, gets the connection
 	require.NoError(t, <-next)
 	for _, key := range []string{"leader", "leaving"} {
-		rec, err := c.Lookup(ctx, "ns", key)
+		rec, err := c.Lookup(ctx, c.pool, "ns", key)
 		require.ErrorIs(t, err, ErrNotFound, "%s: %+v", key, rec)
 	}
 }
@@ -405,7 +408,7 @@ func TestRoundTimeoutFailsOnlyMembersThatWaitedAsLong(t *testing.T) {
 	_, db := batchFixture(t)
 	ctx := context.Background()
 	pool := poolOfOne(t, db)
-	c, err := NewCoordinator(pool, &Config{FinishTimeout: time.Second})
+	c, err := newTestEngine(pool, Settings{FinishTimeout: time.Second})
 	require.NoError(t, err)
 	held, err := pool.Acquire(ctx)
 	require.NoError(t, err)
@@ -419,7 +422,7 @@ func TestRoundTimeoutFailsOnlyMembersThatWaitedAsLong(t *testing.T) {
 	}, 10*time.Second, time.Millisecond)
 	time.Sleep(700 * time.Millisecond) // the late caller queues in the leader's last 300 ms
 	late := reserveInBackground(ctx, c, "late")
-	require.ErrorIs(t, <-leader, ErrStoreUnavailable, "the leader waited FinishTimeout")
+	require.ErrorIs(t, <-leader, store.ErrUnavailable, "the leader waited FinishTimeout")
 	held.Release()
 	require.NoError(t, <-late, "the late caller had not waited as long: it leads next")
 }
@@ -449,7 +452,7 @@ func TestRoundReleasesMembersWhoseContextEnded(t *testing.T) {
 			pool, err := pgxpool.NewWithConfig(ctx, cfg)
 			require.NoError(t, err)
 			t.Cleanup(pool.Close)
-			c, err := NewCoordinator(pool, &Config{FinishTimeout: 10 * time.Second})
+			c, err := newTestEngine(pool, Settings{FinishTimeout: 10 * time.Second})
 			require.NoError(t, err)
 
 			items := reserveItems(t, c, "kept", "ended-1", "ended-2")
@@ -458,15 +461,15 @@ func TestRoundReleasesMembersWhoseContextEnded(t *testing.T) {
 			items[1].req.ctx, items[2].req.ctx = ended, ended
 			c.runReserves(ctx, items)
 			require.NoError(t, items[0].err)
-			require.True(t, items[0].res.inserted)
+			require.True(t, items[0].res.Inserted)
 			require.False(t, armed.Load(), "the first release broke its connection")
-			rec, err := c.Lookup(ctx, "ns", "kept")
+			rec, err := c.Lookup(ctx, c.pool, "ns", "kept")
 			require.NoError(t, err)
-			require.Equal(t, StatusInProgress, rec.Status)
+			require.Equal(t, store.StatusInProgress, rec.Status)
 			for _, it := range items[1:] {
 				require.ErrorIs(t, it.err, context.Canceled)
 				require.ErrorIs(t, callerEnded(it.err), context.Canceled)
-				rec, err = c.Lookup(ctx, "ns", it.req.cl.key)
+				rec, err = c.Lookup(ctx, c.pool, "ns", it.req.cl.key)
 				require.ErrorIs(t, err, ErrNotFound, "released: a first reservation is deleted (%+v)", rec)
 			}
 		})
@@ -495,7 +498,7 @@ func TestRoundDoesNotWaitBehindAnOpenTransaction(t *testing.T) {
 	// The coordinator gets a pool of one connection, so the last check reads the setting
 	// on the very connection the rounds used.
 	pool := poolOfOne(t, db)
-	c, err := NewCoordinator(pool, &Config{MinTTL: 2 * time.Second, Lease: time.Second})
+	c, err := newTestEngine(pool, Settings{MinTTL: 2 * time.Second, Lease: time.Second})
 	require.NoError(t, err)
 
 	// Another transaction holds an uncommitted record for "held", as an open DoTx does.
@@ -513,7 +516,7 @@ func TestRoundDoesNotWaitBehindAnOpenTransaction(t *testing.T) {
 			require.ErrorIs(t, it.err, errBatchFallback, "keys %v", keys)
 		}
 	}
-	_, err = c.Lookup(ctx, "ns", "free")
+	_, err = c.Lookup(ctx, c.pool, "ns", "free")
 	require.ErrorIs(t, err, ErrNotFound, "the refused round reserved nothing")
 
 	// A completion blocked behind a row lock falls back the same way.
@@ -523,7 +526,7 @@ func TestRoundDoesNotWaitBehindAnOpenTransaction(t *testing.T) {
 	_, err = tx.Exec(ctx, "SELECT 1 FROM pgidem_record WHERE key = 'mine' FOR UPDATE")
 	require.NoError(t, err)
 	completes := []*batchItem[completeReq, struct{}]{
-		{req: completeReq{cl: items[0].req.cl, owner: items[0].req.owner, status: StatusCompleted, result: []byte(`1`)}},
+		{req: completeReq{cl: items[0].req.cl, Owner: items[0].req.Owner, Status: store.StatusCompleted, Result: []byte(`1`)}},
 	}
 	c.runCompletes(ctx, completes)
 	require.ErrorIs(t, completes[0].err, errBatchFallback)
@@ -543,8 +546,8 @@ func TestCompletionIsSafeToRepeat(t *testing.T) {
 	completes := func() []*batchItem[completeReq, struct{}] {
 		var out []*batchItem[completeReq, struct{}]
 		for _, it := range items {
-			out = append(out, &batchItem[completeReq, struct{}]{req: completeReq{cl: it.req.cl, owner: it.req.owner,
-				status: StatusCompleted, result: []byte(`"v"`)}})
+			out = append(out, &batchItem[completeReq, struct{}]{req: completeReq{cl: it.req.cl, Owner: it.req.Owner,
+				Status: store.StatusCompleted, Result: []byte(`"v"`)}})
 		}
 		return out
 	}
@@ -558,10 +561,10 @@ func TestCompletionIsSafeToRepeat(t *testing.T) {
 	cs := completes()[:1]
 	c.runCompletes(ctx, cs) // a round of one
 	require.NoError(t, cs[0].err)
-	require.NoError(t, c.finish(ctx, items[0].req.cl, items[0].req.owner, "complete", c.sql.complete,
-		StatusCompleted, jsonText([]byte(`"v"`)), nil, micros(time.Hour)), "the single-key write too")
-	require.ErrorIs(t, c.finish(ctx, items[0].req.cl, newOwner(), "complete", c.sql.complete,
-		StatusCompleted, jsonText([]byte(`"v"`)), nil, micros(time.Hour)), errFinishNoRow, "another owner still matches nothing")
+	require.NoError(t, c.finish(ctx, items[0].req.cl, items[0].req.Owner, "complete", c.sql.Complete,
+		store.StatusCompleted, store.JSONText([]byte(`"v"`)), nil, store.Micros(time.Hour)), "the single-key write too")
+	require.ErrorIs(t, c.finish(ctx, items[0].req.cl, store.NewOwner(), "complete", c.sql.Complete,
+		store.StatusCompleted, store.JSONText([]byte(`"v"`)), nil, store.Micros(time.Hour)), errFinishNoRow, "another owner still matches nothing")
 }
 
 // The heartbeat renews the lease while the finishing write waits for its round, so a slow
@@ -571,7 +574,7 @@ func TestHeartbeatCoversAQueuedCompletion(t *testing.T) {
 	db := testdb.New(t)
 	// A lease long enough that a busy machine's slow commits do not lose it: the test is
 	// about the renewals continuing, not about their speed.
-	c, err := NewCoordinator(db.Pool, &Config{MinTTL: 5 * time.Second, Lease: time.Second})
+	c, err := newTestEngine(db.Pool, Settings{MinTTL: 5 * time.Second, Lease: time.Second})
 	require.NoError(t, err)
 	ctx := context.Background()
 	inRound, proceed := make(chan struct{}), make(chan struct{})
@@ -583,7 +586,7 @@ func TestHeartbeatCoversAQueuedCompletion(t *testing.T) {
 	}
 	done := make(chan error, 1)
 	go func() {
-		_, err := Do(ctx, c, "ns", "k", time.Hour, nil, func(context.Context) (string, error) { return "v", nil })
+		_, err := doString(ctx, c, "ns", "k", time.Hour, nil, func(context.Context) (string, error) { return "v", nil })
 		done <- err
 	}()
 	<-inRound
@@ -592,15 +595,15 @@ func TestHeartbeatCoversAQueuedCompletion(t *testing.T) {
 	require.NoError(t, db.Pool.QueryRow(ctx,
 		"SELECT lease_expires_at > now() FROM pgidem_record WHERE key = 'k'").Scan(&leaseLive))
 	require.True(t, leaseLive, "the lease was renewed while the completion waited")
-	_, err = Do(ctx, c, "ns", "k", time.Hour, &DoOpts{InFlight: InFlightRaise}, func(context.Context) (string, error) {
+	_, err = doString(ctx, c, "ns", "k", time.Hour, &Opts{InFlight: InFlightRaise}, func(context.Context) (string, error) {
 		return "second", nil
 	})
 	require.ErrorIs(t, err, ErrInProgress, "no takeover while the holder finishes")
 	close(proceed)
 	require.NoError(t, <-done)
-	rec, err := c.Lookup(ctx, "ns", "k")
+	rec, err := c.Lookup(ctx, c.pool, "ns", "k")
 	require.NoError(t, err)
-	require.Equal(t, StatusCompleted, rec.Status)
+	require.Equal(t, store.StatusCompleted, rec.Status)
 	require.Equal(t, 1, rec.Attempts)
 }
 
@@ -612,7 +615,7 @@ func TestReleaseRepeatable(t *testing.T) {
 	ctx := context.Background()
 	cl, owner := heldTakenOver(t, c, db, "interval '1 minute'")
 	for range 3 {
-		require.NoError(t, c.finish(ctx, cl, owner, "release", c.sql.release))
+		require.NoError(t, c.finish(ctx, cl, owner, "release", c.sql.Release))
 		var attempts int
 		var ended, marked bool
 		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT attempts, lease_expires_at <= now(), lease_expires_at = updated_at
@@ -621,7 +624,7 @@ func TestReleaseRepeatable(t *testing.T) {
 		require.True(t, ended)
 		require.True(t, marked, "still marked released, so taking it over counts no attempt")
 	}
-	require.ErrorIs(t, c.finish(ctx, cl, newOwner(), "release", c.sql.release), errFinishNoRow,
+	require.ErrorIs(t, c.finish(ctx, cl, store.NewOwner(), "release", c.sql.Release), errFinishNoRow,
 		"another owner matches nothing")
 }
 
@@ -632,7 +635,7 @@ func TestReleaseAfterLeaseRanOutIsMarked(t *testing.T) {
 	c, db := batchFixture(t)
 	ctx := context.Background()
 	cl, owner := heldTakenOver(t, c, db, "interval '-1 second'")
-	require.NoError(t, c.finish(ctx, cl, owner, "release", c.sql.release))
+	require.NoError(t, c.finish(ctx, cl, owner, "release", c.sql.Release))
 	var marked bool
 	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT lease_expires_at = updated_at FROM pgidem_record
 		WHERE namespace = 'ns' AND key = 'k'`).Scan(&marked))
@@ -651,7 +654,7 @@ func TestReleaseRetryAfterServerErrorReportsTakeover(t *testing.T) {
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
 	defer pool.Close()
-	c, err := NewCoordinator(pool, &Config{MinTTL: 2 * time.Second, Lease: time.Second})
+	c, err := newTestEngine(pool, Settings{MinTTL: 2 * time.Second, Lease: time.Second})
 	require.NoError(t, err)
 	cl, owner := heldTakenOver(t, c, db, "interval '1 minute'")
 	taker, err := db.Pool.Begin(ctx)
@@ -665,18 +668,18 @@ func TestReleaseRetryAfterServerErrorReportsTakeover(t *testing.T) {
 		time.Sleep(150 * time.Millisecond) // the release's first attempts time out meanwhile
 		committed <- taker.Commit(ctx)
 	}()
-	require.ErrorIs(t, c.finish(ctx, cl, owner, "release", c.sql.release), errFinishNoRow)
+	require.ErrorIs(t, c.finish(ctx, cl, owner, "release", c.sql.Release), errFinishNoRow)
 	require.NoError(t, <-committed)
 }
 
 // heldTakenOver stores an in-progress reservation of ns/k with attempts 2 (it took over a
 // dead holder) whose lease ends leaseFromNow (an SQL interval) from now, and returns the
 // call and the owner token that hold it.
-func heldTakenOver(t *testing.T, c *Coordinator, db *testdb.DB, leaseFromNow string) (*call, pgtype.UUID) {
+func heldTakenOver(t *testing.T, c *Engine, db *testdb.DB, leaseFromNow string) (*Call, pgtype.UUID) {
 	t.Helper()
 	cl, err := c.newCall("ns", "k", time.Hour, nil)
 	require.NoError(t, err)
-	owner := newOwner()
+	owner := store.NewOwner()
 	_, err = db.Pool.Exec(context.Background(), `INSERT INTO pgidem_record
 		(namespace, key, status, owner, attempts, lease_expires_at, expires_at)
 		VALUES ('ns', 'k', 'in_progress', $1, 2, now() + `+leaseFromNow+`, now() + interval '1 hour')`, owner)
@@ -719,14 +722,14 @@ func TestRoundsDoNotScanAGrownTable(t *testing.T) {
 			pool, err := pgxpool.NewWithConfig(ctx, cfg)
 			require.NoError(t, err)
 			defer pool.Close()
-			c, err := NewCoordinator(pool, nil)
+			c, err := newTestEngine(pool, Settings{})
 			require.NoError(t, err)
 			roundsOnGrowingTable(t, c, db, pool)
 		})
 	}
 }
 
-func roundsOnGrowingTable(t *testing.T, c *Coordinator, db *testdb.DB, pool *pgxpool.Pool) {
+func roundsOnGrowingTable(t *testing.T, c *Engine, db *testdb.DB, pool *pgxpool.Pool) {
 	ctx := context.Background()
 	round := func(keys ...string) {
 		items := reserveItems(t, c, keys...)
@@ -734,8 +737,8 @@ func roundsOnGrowingTable(t *testing.T, c *Coordinator, db *testdb.DB, pool *pgx
 		var completes []*batchItem[completeReq, struct{}]
 		for _, it := range items {
 			require.NoError(t, it.err)
-			if it.res.inserted { // a grown key replays its completed record
-				completes = append(completes, &batchItem[completeReq, struct{}]{req: completeReq{cl: it.req.cl, owner: it.req.owner, status: StatusCompleted, result: []byte(`1`)}})
+			if it.res.Inserted { // a grown key replays its completed record
+				completes = append(completes, &batchItem[completeReq, struct{}]{req: completeReq{cl: it.req.cl, Owner: it.req.Owner, Status: store.StatusCompleted, Result: []byte(`1`)}})
 			}
 		}
 		c.runCompletes(ctx, completes)
@@ -791,15 +794,15 @@ func TestPlanEachExecution(t *testing.T) {
 func TestReservationExpiresATTLAfterItsLease(t *testing.T) {
 	c, db := batchFixture(t) // lease 1 s
 	ctx := context.Background()
-	check := func(name string, r row) {
+	check := func(name string, r store.Row) {
 		t.Helper()
-		require.True(t, r.leaseExpires.Valid, name)
-		require.Equal(t, time.Hour, r.expiresAt.Sub(r.leaseExpires.Time), name)
+		require.True(t, r.LeaseExpires.Valid, name)
+		require.Equal(t, time.Hour, r.ExpiresAt.Sub(r.LeaseExpires.Time), name)
 	}
 
 	cl, err := c.newCall("ns", "single", time.Hour, nil)
 	require.NoError(t, err)
-	r, err := c.reserveOne(ctx, c.pool, c.sql.reserve, cl, newOwner())
+	r, err := c.reserveOne(ctx, c.pool, c.sql.Reserve, cl, store.NewOwner())
 	require.NoError(t, err)
 	check("reserve", r)
 
@@ -812,8 +815,49 @@ func TestReservationExpiresATTLAfterItsLease(t *testing.T) {
 
 	_, err = db.Pool.Exec(ctx, `UPDATE pgidem_record SET lease_expires_at = now() - interval '1 second' WHERE key = 'single'`)
 	require.NoError(t, err)
-	r, err = c.reserveOne(ctx, c.pool, c.sql.takeover, cl, newOwner())
+	r, err = c.reserveOne(ctx, c.pool, c.sql.Takeover, cl, store.NewOwner())
 	require.NoError(t, err)
-	require.True(t, r.tookOver)
+	require.True(t, r.TookOver)
 	check("takeover", r)
+}
+
+// newTestEngine returns an engine on pool with s's zero fields set to pgidem's defaults.
+func newTestEngine(pool *pgxpool.Pool, s Settings) (*Engine, error) {
+	s.Lease = cmp.Or(s.Lease, 30*time.Second)
+	s.MinTTL = cmp.Or(s.MinTTL, time.Minute)
+	s.WaitTimeout = cmp.Or(s.WaitTimeout, time.Minute)
+	s.InFlight = cmp.Or(s.InFlight, InFlightWait)
+	s.PollIntervalMin = cmp.Or(s.PollIntervalMin, 10*time.Millisecond)
+	s.PollIntervalMax = cmp.Or(s.PollIntervalMax, time.Second)
+	s.FinishTimeout = cmp.Or(s.FinishTimeout, 10*time.Second)
+	s.MaxBatch = cmp.Or(s.MaxBatch, 64)
+	s.MaxKeyBytes = cmp.Or(s.MaxKeyBytes, 255)
+	s.MaxNamespaceBytes = cmp.Or(s.MaxNamespaceBytes, 64)
+	s.MaxValueBytes = cmp.Or(s.MaxValueBytes, 16<<20)
+	if s.Logger == nil {
+		s.Logger = slog.New(slog.DiscardHandler)
+	}
+	return New(pool, s), nil
+}
+
+// doString runs fn under (namespace, key) through the engine, as pgidem.DoResult does
+// for a string result.
+func doString(ctx context.Context, c *Engine, namespace, key string, ttl time.Duration, opts *Opts, fn func(context.Context) (string, error)) (string, error) {
+	cl, err := c.Prepare(ctx, "Do", namespace, key, ttl, opts)
+	if err != nil {
+		return "", err
+	}
+	var value string
+	rep, err := c.Do(ctx, cl, func(ctx context.Context) error {
+		var err error
+		value, err = fn(ctx)
+		return err
+	}, func() ([]byte, error) { return json.Marshal(value) })
+	if rep.Replayed() && err == nil {
+		if rep.Row.Status == store.StatusFailed {
+			return "", StoredFailure(namespace, key, &rep.Row)
+		}
+		err = json.Unmarshal(rep.Row.Result, &value)
+	}
+	return value, err
 }

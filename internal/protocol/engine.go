@@ -1,0 +1,133 @@
+// Package protocol is pgidem's reservation protocol: reserve (alone or in a shared
+// round), wait, run fn under a heartbeat, finish, take over, and the transactional
+// variant and inbox. Package pgidem is its façade; every statement it sends comes from
+// package store.
+package protocol
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/pgidem/internal/store"
+)
+
+// Settings are the engine's settings, validated and with defaults filled in by the
+// façade (pgidem.Config documents each).
+type Settings struct {
+	Schema                         string
+	Lease, MinTTL, WaitTimeout     time.Duration
+	InFlight                       InFlightPolicy
+	PollIntervalMin                time.Duration
+	PollIntervalMax, FinishTimeout time.Duration
+	MaxBatch                       int
+	MaxKeyBytes, MaxNamespaceBytes int
+	MaxValueBytes                  int
+	FailOpen                       bool
+	Logger                         *slog.Logger
+	// Emit receives every event; nil: none.
+	Emit func(ctx context.Context, kind EventKind, namespace string, count int64)
+}
+
+// Engine runs the protocol against one pool. It holds no connection between calls and is
+// safe for concurrent use.
+type Engine struct {
+	pool   *pgxpool.Pool
+	config Settings
+	sql    *store.Statements
+
+	reserves  *batcher[reserveReq, store.Row] // reserving inserts (round.go)
+	completes *batcher[completeReq, struct{}] // completing writes (round.go)
+
+	planEach []any // query mode arguments that plan a statement for each execution (planEachExecution)
+}
+
+// New returns an engine storing records through pool with settings s.
+func New(pool *pgxpool.Pool, s Settings) *Engine {
+	c := &Engine{pool: pool, config: s, sql: store.New(s.Schema), planEach: planEachExecution(pool.Config().ConnConfig)}
+	c.reserves = &batcher[reserveReq, store.Row]{max: s.MaxBatch, run: c.leadReserves,
+		// Nothing was sent for a queued reservation: its caller may go.
+		leave: func(ctx context.Context) error { return &notHeldError{err: ctx.Err(), callerEnded: true} }}
+	c.completes = &batcher[completeReq, struct{}]{max: s.MaxBatch, // a completion must be written: no leave
+		run: func(ctx context.Context, leader *batchItem[completeReq, struct{}], take func(time.Duration) []*batchItem[completeReq, struct{}]) {
+			c.runCompletes(ctx, append([]*batchItem[completeReq, struct{}]{leader}, take(0)...))
+		},
+		size: func(r completeReq) int { return len(r.Result) + len(r.Failure) }, maxBytes: s.MaxValueBytes}
+	return c
+}
+
+// Pool returns the pool the engine stores records through.
+func (c *Engine) Pool() *pgxpool.Pool { return c.pool }
+
+// Statements returns the engine's statements.
+func (c *Engine) Statements() *store.Statements { return c.sql }
+
+// ReportInvalid reports [EventInvalidKey] for a call whose namespace (or inbox consumer)
+// is namespace: under that namespace when it is valid, else under "".
+func (c *Engine) ReportInvalid(ctx context.Context, namespace string) { c.emitInvalid(ctx, namespace) }
+
+// emitInvalid reports [EventInvalidKey] for a call whose namespace (or inbox consumer) is
+// namespace: under that namespace when it is valid, else under "".
+func (c *Engine) emitInvalid(ctx context.Context, namespace string) {
+	if ValidatePart("namespace", namespace, c.config.MaxNamespaceBytes) != nil {
+		namespace = ""
+	}
+	c.emit(ctx, EventInvalidKey, namespace, 1)
+}
+
+// emit hands an event to the Hook. A panic in the Hook is logged and goes no further: it
+// must not cut the protocol short between two of its steps (a reservation left to its
+// lease, a heartbeat goroutine crashing the process).
+func (c *Engine) emit(ctx context.Context, kind EventKind, namespace string, count int64) {
+	if c.config.Emit == nil {
+		return
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			c.config.Logger.ErrorContext(ctx, "pgidem: Hook.OnEvent panicked; the event is lost, the call goes on",
+				slog.String("event", string(kind)), slog.String("namespace", namespace),
+				slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+		}
+	}()
+	c.config.Emit(ctx, kind, namespace, count)
+}
+
+func (c *Engine) logStoreError(ctx context.Context, cl *Call, err error) error {
+	return c.reportStoreError(ctx, cl.namespace, err, slog.String("namespace", cl.namespace), slog.String("key", cl.key))
+}
+
+// reportStoreError logs err at error with attrs and reports [EventStoreError] under
+// namespace when err is a store error; it returns err. ctx is the context the failed
+// statement ran on (context.WithoutCancel of the caller's for statements bounded by a
+// timeout of their own). A store error once ctx has ended (the caller's deadline, e.g.
+// River's JobTimeout, or a cancellation) is the caller's doing, not the store's: it is
+// returned as an error matching ctx's error (not store.ErrUnavailable), neither logged nor
+// counted.
+func (c *Engine) reportStoreError(ctx context.Context, namespace string, err error, attrs ...slog.Attr) error {
+	var se *store.Error
+	if ctxErr := ctx.Err(); ctxErr != nil && errors.As(err, &se) {
+		if errors.Is(se.Err, ctxErr) {
+			return se.Err
+		}
+		// A statement that failed after ctx ended failed because of it (pgx closes a
+		// connection whose query was cut off, and the next statement finds it closed).
+		return fmt.Errorf("%w (then %s failed: %w)", ctxErr, se.Op, se.Err)
+	}
+	if errors.Is(err, store.ErrUnavailable) {
+		c.config.Logger.LogAttrs(ctx, slog.LevelError, "pgidem: store error", append(attrs, slog.String("error", err.Error()))...)
+		c.emit(ctx, EventStoreError, namespace, 1)
+	}
+	return err
+}
+
+func (c *Engine) leaseLost(ctx context.Context, cl *Call) {
+	cl.lost = true
+	c.config.Logger.ErrorContext(ctx, "pgidem: lease lost; the reservation was taken over and the effect may have run more than once",
+		slog.String("namespace", cl.namespace), slog.String("key", cl.key))
+	c.emit(ctx, EventLeaseLost, cl.namespace, 1)
+}

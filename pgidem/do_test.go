@@ -1242,11 +1242,13 @@ func TestFinishTimeoutIsStoreError(t *testing.T) {
 func TestDetachedReserveTimeoutUnderCallerDeadline(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	coord, storeErrors := b.countStoreErrors(t, &pgidem.Config{FinishTimeout: 400 * time.Millisecond})
+	coord, storeErrors := b.countStoreErrors(t, &pgidem.Config{FinishTimeout: 1500 * time.Millisecond})
 	tx := b.begin(t)
 	_, err := pgidem.DoTx(b.ctx, coord, tx, "mail", "k", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
 	require.NoError(t, err)
-	ctx, cancel := context.WithTimeout(b.ctx, 100*time.Millisecond)
+	// The caller's deadline passes while the reserving write waits on the row lock, which
+	// it does until FinishTimeout.
+	ctx, cancel := context.WithTimeout(b.ctx, 300*time.Millisecond)
 	defer cancel()
 	_, err = pgidem.Do(ctx, coord, "mail", "k", testTTL, &pgidem.DoOpts{ReserveFirst: true}, func(context.Context) (int, error) { return 2, nil })
 	var storeErr *pgidem.StoreError

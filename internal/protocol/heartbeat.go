@@ -79,6 +79,11 @@ func (c *Engine) startHeartbeat(ctx context.Context, cl *Call, owner pgtype.UUID
 				// with 40001): the next renewal, on a fresh snapshot, tells which.
 				next.Reset(interval / 4)
 				continue
+			case err != nil && hb.finished.Load():
+				// fn has returned and the finishing write decides; a renewal queued behind
+				// it (and timed out waiting) is no store failure of the call.
+				next.Reset(interval / 4)
+				continue
 			case err != nil:
 				c.config.Logger.WarnContext(ctx, "pgidem: heartbeat failed",
 					slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.String("error", err.Error()))

@@ -44,29 +44,7 @@ func (c *Engine) run(ctx context.Context, cl *Call, owner pgtype.UUID, leaseFrom
 	hb.finishing()
 
 	if fnErr != nil {
-		var permanent *PermanentError
-		var err error
-		isPermanent := errors.As(fnErr, &permanent) // permanent may be a typed nil
-		if isPermanent {
-			failure, _ := json.Marshal(store.StoredFailure{Message: storableMessage(permanent.Error())})
-			err = c.complete(ctx, cl, owner, store.StatusFailed, nil, failure)
-		} else {
-			// A release is never queued, so it needs no heartbeat cover; a renewal after it
-			// would revive the lease of a kept (taken-over) row.
-			hb.stop()
-			err = c.finish(ctx, cl, owner, "release", c.sql.Release)
-		}
-		if err == errFinishNoRow {
-			c.leaseLost(ctx, cl)
-			err = fmt.Errorf("%w: %s/%s was taken over", ErrLeaseLost, cl.namespace, cl.key)
-		}
-		if err != nil && isPermanent {
-			// The caller must not believe the failure will be replayed: a later call takes
-			// the key over once the lease ends and runs fn again.
-			cl.notStored = true
-			return &FailureNotStoredError{Err: fnErr, Cause: err}
-		}
-		return fnErr // a release that failed leaves the lease to end: fn runs again then
+		return c.finishFailed(ctx, cl, owner, hb, fnErr)
 	}
 
 	result, panicked, encErr := encodeResult(encode)
@@ -104,6 +82,36 @@ func (c *Engine) run(ctx context.Context, cl *Call, owner pgtype.UUID, leaseFrom
 		return fmt.Errorf("%w: %v", ErrResultNotStorable, encErr)
 	}
 	return nil
+}
+
+// finishFailed finishes cl's reservation after fn returned fnErr: a [Permanent] failure is
+// stored for replay; any other error releases the key so a later delivery runs fn again.
+// It returns fnErr, or a [*FailureNotStoredError] when a permanent failure could not be
+// stored.
+func (c *Engine) finishFailed(ctx context.Context, cl *Call, owner pgtype.UUID, hb *heartbeat, fnErr error) error {
+	var permanent *PermanentError
+	var err error
+	isPermanent := errors.As(fnErr, &permanent) // permanent may be a typed nil
+	if isPermanent {
+		failure, _ := json.Marshal(store.StoredFailure{Message: storableMessage(permanent.Error())})
+		err = c.complete(ctx, cl, owner, store.StatusFailed, nil, failure)
+	} else {
+		// A release is never queued, so it needs no heartbeat cover; a renewal after it
+		// would revive the lease of a kept (taken-over) row.
+		hb.stop()
+		err = c.finish(ctx, cl, owner, "release", c.sql.Release)
+	}
+	if err == errFinishNoRow {
+		c.leaseLost(ctx, cl)
+		err = fmt.Errorf("%w: %s/%s was taken over", ErrLeaseLost, cl.namespace, cl.key)
+	}
+	if err != nil && isPermanent {
+		// The caller must not believe the failure will be replayed: a later call takes
+		// the key over once the lease ends and runs fn again.
+		cl.notStored = true
+		return &FailureNotStoredError{Err: fnErr, Cause: err}
+	}
+	return fnErr // a release that failed leaves the lease to end: fn runs again then
 }
 
 // maxStoredMessageBytes caps the message of a stored failure: a record holds the failure

@@ -124,30 +124,14 @@ func (c *Engine) doTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx cont
 
 		default:
 			// Absent, expired, or a dead Do holder's lease ran out: run fn here.
-			out, won, err := c.runTx(ctx, tx, cl, fn, encode)
-			if out.ran {
-				res.Outcome = OutcomeExecuted
-				if cl.notStored {
-					res.Outcome = OutcomeNotStored
-				}
-			}
-			if err != nil {
-				return res, out.failureStored, err
-			}
-			if won {
-				res.Attempts, res.TookOver = out.row.Attempts, out.row.TookOver
-				if out.row.TookOver {
-					res.Outcome = OutcomeTakenOver
-				}
-				if out.row.TookOver {
-					c.config.Logger.WarnContext(ctx, "pgidem: took over expired lease in a transaction; the effect may run more than once",
-						slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", out.row.Attempts))
-					c.emit(ctx, EventTakenOver, cl.namespace, 1)
-				}
-				return res, false, nil
+			won, failureStored, err := c.runTxReported(ctx, tx, cl, fn, encode, &res)
+			if err != nil || won {
+				return res, failureStored, err
 			}
 			// A Do holder reserved the key after the read; fn's writes were rolled back and
-			// nothing was recorded (not even a permanent failure).
+			// nothing was recorded (not even a permanent failure), so what the next read
+			// finds is the outcome.
+			res.Outcome = OutcomeNone
 			c.config.Logger.InfoContext(ctx, "pgidem: key reserved by Do while the transaction ran; rolled back to the savepoint",
 				slog.String("namespace", cl.namespace), slog.String("key", cl.key))
 			if races++; races > maxSnapshotRetries {
@@ -161,6 +145,29 @@ func (c *Engine) doTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx cont
 			return res, false, err
 		}
 	}
+}
+
+// runTxReported runs fn in tx (runTx) and reports what happened in res. won is false
+// when a live record appeared meanwhile: the caller reads the key again.
+func (c *Engine) runTxReported(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx context.Context, tx pgx.Tx) error, encode func() ([]byte, error), res *Report) (won, failureStored bool, err error) {
+	out, won, err := c.runTx(ctx, tx, cl, fn, encode)
+	if out.ran {
+		res.Outcome = OutcomeExecuted
+		if cl.notStored {
+			res.Outcome = OutcomeNotStored
+		}
+	}
+	if err != nil || !won {
+		return won, out.failureStored, err
+	}
+	res.Attempts, res.TookOver = out.row.Attempts, out.row.TookOver
+	if out.row.TookOver {
+		res.Outcome = OutcomeTakenOver
+		c.config.Logger.WarnContext(ctx, "pgidem: took over expired lease in a transaction; the effect may run more than once",
+			slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", out.row.Attempts))
+		c.emit(ctx, EventTakenOver, cl.namespace, 1)
+	}
+	return true, false, nil
 }
 
 // txOutcome is what runTx produced.
@@ -209,36 +216,10 @@ func (c *Engine) runTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx con
 		if !errors.As(fnErr, &permanent) {
 			return out, true, fnErr
 		}
-		// Undo fn's writes, then store the failure for replay in a savepoint of its own:
-		// when a live record blocks the write, the upsert has still locked that row (ON
-		// CONFLICT DO UPDATE locks the conflicting row even when its WHERE is false), and
-		// only rolling the savepoint back releases the lock — otherwise tx would hold it
-		// while the caller waits for that record's holder, whose heartbeat it would block
-		// until the holder's lease ran out and tx took over a live holder.
-		notStored := func(err error) error { cl.notStored = true; return &FailureNotStoredError{Err: fnErr, Cause: err} }
-		if err := sp.Rollback(ctx); err != nil {
-			// The deferred rollback, on a detached context, undoes fn's writes.
-			return out, true, notStored(c.logStoreError(ctx, cl, store.Wrap("release", err)))
-		}
-		failure, _ := json.Marshal(store.StoredFailure{Message: storableMessage(permanent.Error())})
-		if sp, err = beginSavepoint(ctx, tx); err != nil {
-			released = true
-			return out, true, notStored(c.logStoreError(ctx, cl, store.Wrap("savepoint", err)))
-		}
-		_, won, err := c.txUpsert(ctx, sp, cl, store.StatusFailed, nil, failure)
-		if err != nil {
-			// The deferred rollback undoes the write; fn's error must not be lost.
-			return out, true, notStored(err)
-		}
-		if !won {
-			return out, false, nil // the deferred rollback releases the row lock
-		}
-		if err := sp.Commit(ctx); err != nil { // releasing the savepoint keeps the lock in tx
-			return out, true, notStored(c.logStoreError(ctx, cl, store.Wrap("complete", err)))
-		}
-		released = true
-		out.failureStored = true
-		return out, true, fnErr
+		released = true // storeTxFailure rolls back what it must
+		won, stored, err := c.storeTxFailure(ctx, tx, sp, cl, fnErr, permanent)
+		out.failureStored = stored
+		return out, won, err
 	}
 
 	// A panicking MarshalJSON unwinds through the deferred rollback: the effect is undone.
@@ -258,6 +239,43 @@ func (c *Engine) runTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx con
 	released = true
 	out.row = r
 	return out, true, nil
+}
+
+// storeTxFailure undoes fn's writes (rolling sp back), then stores fn's permanent failure
+// for replay in a savepoint of its own: when a live record blocks the write, the upsert
+// has still locked that row (ON CONFLICT DO UPDATE locks the conflicting row even when
+// its WHERE is false), and only rolling the savepoint back releases the lock — otherwise
+// tx would hold it while the caller waits for that record's holder, whose heartbeat it
+// would block until the holder's lease ran out and tx took over a live holder. It returns
+// fn's error once stored; won is false when a live record blocked the write.
+func (c *Engine) storeTxFailure(ctx context.Context, tx pgx.Tx, sp *savepoint, cl *Call, fnErr error, permanent *PermanentError) (won, stored bool, err error) {
+	notStored := func(err error) error {
+		cl.notStored = true
+		return &FailureNotStoredError{Err: fnErr, Cause: err}
+	}
+	if err := sp.Rollback(ctx); err != nil {
+		c.rollbackDetached(ctx, sp) // on a detached context: it undoes fn's writes
+		return true, false, notStored(c.logStoreError(ctx, cl, store.Wrap("release", err)))
+	}
+	failure, _ := json.Marshal(store.StoredFailure{Message: storableMessage(permanent.Error())})
+	fsp, err := beginSavepoint(ctx, tx)
+	if err != nil {
+		return true, false, notStored(c.logStoreError(ctx, cl, store.Wrap("savepoint", err)))
+	}
+	_, won, err = c.txUpsert(ctx, fsp, cl, store.StatusFailed, nil, failure)
+	switch {
+	case err != nil:
+		c.rollbackDetached(ctx, fsp) // undoes the write; fn's error must not be lost
+		return true, false, notStored(err)
+	case !won:
+		c.rollbackDetached(ctx, fsp) // releases the row lock
+		return false, false, nil
+	}
+	if err := fsp.Commit(ctx); err != nil { // releasing the savepoint keeps the lock in tx
+		c.rollbackDetached(ctx, fsp)
+		return true, false, notStored(c.logStoreError(ctx, cl, store.Wrap("complete", err)))
+	}
+	return true, true, fnErr
 }
 
 // txUpsert writes the finished record in db (tx or its savepoint). won is false when a live

@@ -76,6 +76,15 @@ func (c *Engine) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *Call, start t
 		return r, found, nil
 	}
 
+	return c.txAwaitLock(ctx, tx, cl, id, start, waited)
+}
+
+// txAwaitLock follows the in-flight policy when another transaction holds the key's
+// advisory lock: InFlightRaise returns an [*InProgressError] at once; InFlightWait waits
+// for the lock within the call's wait budget, reading the record between slices of the
+// wait, and returns the record once it holds the lock or the record finished.
+func (c *Engine) txAwaitLock(ctx context.Context, tx pgx.Tx, cl *Call, id int64, start time.Time, waited *bool) (store.Row, bool, error) {
+	var r store.Row
 	inProgress := &InProgressError{Namespace: cl.namespace, Key: cl.key, RetryAfter: c.config.PollIntervalMax}
 	if cl.policy == InFlightRaise {
 		c.emit(ctx, EventInProgress, cl.namespace, 1)

@@ -17,6 +17,8 @@ type Call struct {
 	policy         InFlightPolicy
 	fingerprint    []byte
 	reserveFirst   bool
+	// attempt is the record's attempt count once the call holds its reservation.
+	attempt int
 	// lost is set when the finishing write found the reservation taken over.
 	lost bool
 	// notStored is set when fn's value or permanent failure could not be stored.

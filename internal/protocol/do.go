@@ -73,11 +73,7 @@ func (c *Engine) Do(ctx context.Context, cl *Call, fn func(context.Context) erro
 			rep.Outcome, rep.FailedOpen = OutcomeFailOpen, true
 			return rep, fn(withKey(ctx, c.config.Schema, cl.namespace, cl.key, false))
 		}
-		rep.Outcome = failureOutcome(err)
-		var ip *InProgressError
-		if errors.As(err, &ip) {
-			rep.RetryAfter = ip.RetryAfter
-		}
+		rep.failed(err)
 		return rep, err
 	}
 	rep.Attempts = acq.row.Attempts
@@ -90,6 +86,7 @@ func (c *Engine) Do(ctx context.Context, cl *Call, fn func(context.Context) erro
 	}
 
 	c.emit(ctx, EventExecuted, cl.namespace, 1)
+	cl.attempt = acq.row.Attempts
 	err = c.run(ctx, cl, acq.row.Owner, acq.row.LeaseFrom, fn, encode)
 	rep.LeaseLost = cl.lost
 	rep.Outcome = ranOutcome(cl, acq.tookOver)
@@ -118,6 +115,19 @@ func ranOutcome(cl *Call, tookOver bool) Outcome {
 		return OutcomeTakenOver
 	}
 	return OutcomeExecuted
+}
+
+// failed records err as the outcome of a call that ended before fn ran, unless an outcome
+// is already set.
+func (r *Report) failed(err error) {
+	if err == nil || r.Outcome != OutcomeNone {
+		return
+	}
+	r.Outcome = failureOutcome(err)
+	var ip *InProgressError
+	if errors.As(err, &ip) {
+		r.RetryAfter = ip.RetryAfter
+	}
 }
 
 // failureOutcome is the outcome of a call that ended with err before fn ran.

@@ -23,7 +23,8 @@ import (
 // matches no row proves it. Completing a record that nobody took over is what keeps the
 // effect from running again.
 func (c *Engine) run(ctx context.Context, cl *Call, owner pgtype.UUID, leaseFrom time.Time, fn func(context.Context) error, encode func() ([]byte, error)) error {
-	fnCtx, cancel := context.WithCancelCause(withKey(ctx, c.config.Schema, cl.namespace, cl.key, false))
+	fnCtx := withFence(withKey(ctx, c.config.Schema, cl.namespace, cl.key, false), Fence{Attempt: cl.attempt, Owner: owner.String()})
+	fnCtx, cancel := context.WithCancelCause(fnCtx)
 	defer cancel(nil)
 	hb := c.startHeartbeat(ctx, cl, owner, leaseFrom, cancel)
 	defer hb.stop()

@@ -74,15 +74,7 @@ func (c *Engine) DoTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx cont
 // record was written in tx (err is then fn's error): the one error after which tx holds
 // something worth committing.
 func (c *Engine) doTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx context.Context, tx pgx.Tx) error, encode func() ([]byte, error)) (res Report, failureStored bool, err error) {
-	defer func() {
-		if res.Outcome == OutcomeNone && err != nil {
-			res.Outcome = failureOutcome(err)
-			var ip *InProgressError
-			if errors.As(err, &ip) {
-				res.RetryAfter = ip.RetryAfter
-			}
-		}
-	}()
+	defer func() { res.failed(err) }()
 	if err := ctx.Err(); err != nil {
 		return res, false, err
 	}

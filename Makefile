@@ -26,12 +26,13 @@ lint:
 	$(GO) vet ./...
 	$(GO) run $(STATICCHECK) ./...
 
-## demo: the lab's three redelivery scenes, the Kafka consumer, the River worker and the HTTP API, on real Postgres.
+## demo: the lab's three redelivery scenes, the Kafka consumer, the River worker, the HTTP API and reconciling a takeover, on real Postgres.
 demo:
 	$(GO) run ./examples/lab
 	$(GO) run ./examples/consumer
 	$(GO) run ./examples/riverworker
 	$(GO) run ./examples/httpapi
+	$(GO) run ./examples/reconcile
 
 ## bench: pgidem's benchmarks beside their raw-SQL baselines (see docs/performance.md).
 bench:

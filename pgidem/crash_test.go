@@ -20,6 +20,9 @@ import (
 const (
 	crashEnvURL = "PGIDEM_CRASH_CHILD_URL"
 	crashEnvTTL = "PGIDEM_CRASH_CHILD_TTL" // optional: the record TTL (and MinTTL), a duration
+	// crashEnvEffect, when set, makes the child run the effect (a row in payment, created
+	// by the parent, under the call's idempotency key) before it announces "started".
+	crashEnvEffect = "PGIDEM_CRASH_CHILD_EFFECT"
 	crashLease  = time.Second
 )
 
@@ -51,6 +54,13 @@ func crashChild(_ *testing.M) bool {
 		os.Exit(3)
 	}
 	_, err = pgidem.Do(ctx, coord, "mail", "order-9.invoice", ttl, nil, func(ctx context.Context) (string, error) {
+		if os.Getenv(crashEnvEffect) != "" {
+			_, key, _ := pgidem.KeyFromContext(ctx)
+			if _, err := pool.Exec(ctx, `INSERT INTO payment (idempotency_key, payment_id) VALUES ($1, 'pay_1')`, key); err != nil {
+				fmt.Println("error:", err)
+				os.Exit(3)
+			}
+		}
 		fmt.Println("started")
 		select {} // the effect is "running" when the parent kills us
 	})
@@ -61,10 +71,10 @@ func crashChild(_ *testing.M) bool {
 
 // startCrashChild re-executes the test binary as a holder of mail/order-9.invoice (with
 // record TTL ttl when non-zero) and returns once its fn has started.
-func startCrashChild(t *testing.T, url string, ttl time.Duration) *exec.Cmd {
+func startCrashChild(t *testing.T, url string, ttl time.Duration, env ...string) *exec.Cmd {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), crashEnvURL+"="+url)
+	cmd.Env = append(append(os.Environ(), crashEnvURL+"="+url), env...)
 	if ttl > 0 {
 		cmd.Env = append(cmd.Env, crashEnvTTL+"="+ttl.String())
 	}

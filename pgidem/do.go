@@ -48,7 +48,23 @@ type DoOpts struct {
 	// plain indexed read. Either way the protocol and its guarantees are the same. DoTx and
 	// DoInTx ignore it (they read under an advisory lock).
 	ReserveFirst bool
+
+	// Reconcile, when set, is asked before fn runs again on a key whose effect an earlier
+	// holder may have run: when the record shows an earlier attempt (a holder whose lease
+	// ran out, [Result.Attempts] ≥ 2). It looks the effect up at its provider (a payment
+	// by the same idempotency key, a mail by message id) and answers found, with the
+	// value fn would have returned (a T, or anything that encodes to JSON decoding into
+	// T): the value is stored and returned as if fn had returned it, fn does not run, and
+	// the outcome is [OutcomeReconciled]. Not found: fn runs. An error: the record is
+	// released and the error returned, so the next delivery decides. It runs with fn's
+	// context (the key, the fence, the heartbeat's cancellation). Used by [Do] and
+	// [DoResult] only: a transaction's effect is never half done. Default nil: fn runs.
+	Reconcile func(ctx context.Context, t Takeover) (value any, found bool, err error)
 }
+
+// Takeover is what [DoOpts.Reconcile] is told about a key an earlier holder may have run
+// the effect for.
+type Takeover = protocol.Takeover
 
 // engineOpts returns the engine's form of o (nil: defaults).
 func (o *DoOpts) engineOpts() *protocol.Opts {
@@ -180,12 +196,22 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 	if c == nil || fn == nil {
 		return res, invalidArgument("Do: the coordinator and fn must not be nil")
 	}
-	cl, err := c.engine.Prepare(ctx, "Do", namespace, key, ttl, opts.engineOpts())
+	var value T
+	eopts := opts.engineOpts()
+	if opts != nil && opts.Reconcile != nil {
+		eopts.Reconcile = func(ctx context.Context, t Takeover) (bool, error) {
+			v, found, err := opts.Reconcile(ctx, t)
+			if err != nil || !found {
+				return false, err
+			}
+			return true, assignValue(&value, v)
+		}
+	}
+	cl, err := c.engine.Prepare(ctx, "Do", namespace, key, ttl, eopts)
 	if err != nil {
 		res.Outcome = OutcomeInvalid
 		return res, err
 	}
-	var value T
 	rep, err := c.engine.Do(ctx, cl, func(ctx context.Context) error {
 		var err error
 		value, err = fn(ctx)
@@ -203,6 +229,22 @@ func result[T any](rep protocol.Report, value T) Result[T] {
 	return Result[T]{Outcome: rep.Outcome, RetryAfter: rep.RetryAfter, Value: value,
 		Replayed: rep.Replayed(), Attempts: rep.Attempts, Waited: rep.Waited,
 		TookOver: rep.TookOver, FailedOpen: rep.FailedOpen, LeaseLost: rep.LeaseLost}
+}
+
+// assignValue sets *value to v: directly when v is a T, else through its JSON encoding.
+func assignValue[T any](value *T, v any) error {
+	if tv, ok := v.(T); ok {
+		*value = tv
+		return nil
+	}
+	b, err := json.Marshal(v)
+	if err == nil {
+		err = json.Unmarshal(b, value)
+	}
+	if err != nil {
+		return fmt.Errorf("the value found (%T) does not convert to %T: %w", v, *value, err)
+	}
+	return nil
 }
 
 // decodeReplay turns a completed or failed record into the caller's value or error.

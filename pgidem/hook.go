@@ -29,6 +29,9 @@ const (
 	EventTakenOver = protocol.EventTakenOver
 	// EventLeaseLost: the holder found its reservation taken over.
 	EventLeaseLost = protocol.EventLeaseLost
+	// EventReconciled: [DoOpts.Reconcile] found an earlier holder's effect done; fn did
+	// not run.
+	EventReconciled = protocol.EventReconciled
 	// EventStoreError: a database error was returned or logged.
 	EventStoreError = protocol.EventStoreError
 	// EventInvalidKey: the call's input was rejected before fn ran: namespace, key,

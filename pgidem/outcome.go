@@ -20,6 +20,9 @@ const (
 	// OutcomeTakenOver: fn ran after taking over a dead holder's expired lease; the effect
 	// may have run more than once (the record's attempts say so).
 	OutcomeTakenOver = protocol.OutcomeTakenOver
+	// OutcomeReconciled: the record showed an earlier attempt and [DoOpts.Reconcile]
+	// found its effect done: the value it returned was stored and returned; fn did not run.
+	OutcomeReconciled = protocol.OutcomeReconciled
 	// OutcomeReplayed: the stored result was returned without running fn.
 	OutcomeReplayed = protocol.OutcomeReplayed
 	// OutcomeWaitedReplayed: the call waited for another holder ([InFlightWait]), then

@@ -19,6 +19,10 @@ type Call struct {
 	reserveFirst   bool
 	// attempt is the record's attempt count once the call holds its reservation.
 	attempt int
+	// reconcile, when set, runs before fn for a holder whose record shows an earlier
+	// attempt; reconciled is set when it found the effect.
+	reconcile  Reconciler
+	reconciled bool
 	// lost is set when the finishing write found the reservation taken over.
 	lost bool
 	// notStored is set when fn's value or permanent failure could not be stored.
@@ -41,6 +45,7 @@ func (c *Engine) newCall(namespace, key string, ttl time.Duration, opts *Opts) (
 		policy:       cmp.Or(opts.InFlight, c.config.InFlight),
 		fingerprint:  opts.Fingerprint,
 		reserveFirst: opts.ReserveFirst,
+		reconcile:    opts.Reconcile,
 	}
 	if ttl < c.config.MinTTL || cl.lease < LeaseMin || cl.lease >= ttl {
 		return nil, &InvalidTTLError{TTL: ttl, MinTTL: c.config.MinTTL, Lease: cl.lease}

@@ -17,6 +17,7 @@ type Opts struct {
 	WaitTimeout  time.Duration
 	Lease        time.Duration
 	ReserveFirst bool
+	Reconcile    Reconciler
 }
 
 // Report is what a call did: its outcome and what the record showed.
@@ -87,6 +88,9 @@ func (c *Engine) Do(ctx context.Context, cl *Call, fn func(context.Context) erro
 
 	c.emit(ctx, EventExecuted, cl.namespace, 1)
 	cl.attempt = acq.row.Attempts
+	if cl.reconcile != nil && cl.attempt >= 2 {
+		fn = c.reconciling(cl, Takeover{Namespace: cl.namespace, Key: cl.key, Attempt: cl.attempt, LeaseExpiredAt: acq.prevLeaseExpiry}, fn)
+	}
 	err = c.run(ctx, cl, acq.row.Owner, acq.row.LeaseFrom, fn, encode)
 	rep.LeaseLost = cl.lost
 	rep.Outcome = ranOutcome(cl, acq.tookOver)
@@ -111,6 +115,8 @@ func ranOutcome(cl *Call, tookOver bool) Outcome {
 		return OutcomeLeaseLost
 	case cl.notStored:
 		return OutcomeNotStored
+	case cl.reconciled:
+		return OutcomeReconciled
 	case tookOver:
 		return OutcomeTakenOver
 	}

@@ -23,6 +23,9 @@ const (
 	EventTakenOver EventKind = "taken_over"
 	// EventLeaseLost: the holder found its reservation taken over.
 	EventLeaseLost EventKind = "lease_lost"
+	// EventReconciled: the reconcile hook found an earlier holder's effect done; fn did
+	// not run.
+	EventReconciled EventKind = "reconciled"
 	// EventStoreError: a database error was returned or logged.
 	EventStoreError EventKind = "store_error"
 	// EventInvalidKey: the call's input was rejected before fn ran: namespace, key,

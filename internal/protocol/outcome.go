@@ -16,6 +16,9 @@ const (
 	// OutcomeTakenOver: fn ran after taking over a holder's expired lease; the effect may
 	// have run more than once.
 	OutcomeTakenOver Outcome = "taken_over"
+	// OutcomeReconciled: a holder whose record showed an earlier attempt asked the
+	// reconcile hook, which found the effect done; its value was stored and fn did not run.
+	OutcomeReconciled Outcome = "reconciled"
 	// OutcomeReplayed: a stored result was returned without running fn.
 	OutcomeReplayed Outcome = "replayed"
 	// OutcomeWaitedReplayed: the call waited for another holder, then replayed its result.

@@ -20,6 +20,9 @@ type acquisition struct {
 	waited   bool
 	tookOver bool
 	answered bool // the store answered a read: failing open is no longer allowed
+	// prevLeaseExpiry is when the lease of the holder taken over ran out (zero: it
+	// released the key, or there was none).
+	prevLeaseExpiry time.Time
 }
 
 // maxSnapshotRetries is how many times the reserve statement is re-run at once after
@@ -183,7 +186,7 @@ func (c *Engine) takeOver(ctx context.Context, cl *Call, r *store.Row, acq *acqu
 	}
 	acq.held, acq.row = true, t
 	if t.TookOver {
-		acq.tookOver = true
+		acq.tookOver, acq.prevLeaseExpiry = true, r.LeaseExpires.Time
 		c.config.Logger.WarnContext(ctx, "pgidem: took over expired lease; the effect may run more than once",
 			slog.String("namespace", cl.namespace), slog.String("key", cl.key), slog.Int("attempts", t.Attempts))
 		c.emit(ctx, EventTakenOver, cl.namespace, 1)

@@ -23,7 +23,7 @@ const (
 	// crashEnvEffect, when set, makes the child run the effect (a row in payment, created
 	// by the parent, under the call's idempotency key) before it announces "started".
 	crashEnvEffect = "PGIDEM_CRASH_CHILD_EFFECT"
-	crashLease  = time.Second
+	crashLease     = time.Second
 )
 
 // crashChild runs the child half of TestCrashTakeover when the test binary is re-executed

@@ -77,7 +77,10 @@ func TestReconcileNotFoundAndError(t *testing.T) {
 	_, err = b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts, lease_expires_at, expires_at)
 		VALUES ('mail', 'dead', 'in_progress', gen_random_uuid(), 1, now() - interval '1 second', now() + interval '1 hour')`)
 	require.NoError(t, err)
-	answer = func(context.Context, pgidem.Takeover) (any, bool, error) { asked++; return nil, false, errors.New("provider down") }
+	answer = func(context.Context, pgidem.Takeover) (any, bool, error) {
+		asked++
+		return nil, false, errors.New("provider down")
+	}
 	runs := 0
 	fn := func(context.Context) (int, error) { runs++; return 7, nil }
 	_, err = pgidem.Do(b.ctx, b.coord, "mail", "dead", testTTL, opts, fn)

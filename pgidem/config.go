@@ -185,6 +185,16 @@ type Config struct {
 	// [EventFailOpen]. Default false: never run unprotected.
 	FailOpen bool
 
+	// PollOnly, when true, makes callers waiting for a record in progress only poll it
+	// (every [Config.PollIntervalMin] growing to [Config.PollIntervalMax]). Default false:
+	// a holder that finishes a record also sends a notification (pg_notify on channel
+	// "pgidem", or "pgidem.<Schema>"), and while any caller of the coordinator waits, one
+	// connection of its own (opened with the pool's settings, outside the pool) LISTENs for
+	// them, so waiters return within milliseconds of the outcome; polling stays the
+	// fallback. Set it behind a transaction-pooling PgBouncer, where LISTEN cannot work,
+	// or where a connection outside the pool is not allowed.
+	PollOnly bool
+
 	// Logger receives a record of every unusual transition (takeover, lease lost,
 	// fail-open, store error, fingerprint mismatch). Default: discard.
 	Logger *slog.Logger
@@ -288,7 +298,7 @@ func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 		Schema: cfg.Schema, Lease: cfg.Lease, MinTTL: cfg.MinTTL, WaitTimeout: cfg.WaitTimeout,
 		InFlight: cfg.InFlight, PollIntervalMin: cfg.PollIntervalMin, PollIntervalMax: cfg.PollIntervalMax,
 		FinishTimeout: cfg.FinishTimeout, MaxBatch: cfg.MaxBatch, MaxKeyBytes: cfg.MaxKeyBytes,
-		MaxNamespaceBytes: cfg.MaxNamespaceBytes, MaxValueBytes: cfg.MaxValueBytes, FailOpen: cfg.FailOpen,
+		MaxNamespaceBytes: cfg.MaxNamespaceBytes, MaxValueBytes: cfg.MaxValueBytes, FailOpen: cfg.FailOpen, PollOnly: cfg.PollOnly,
 		Logger: logger, Emit: emit,
 	})}
 	return c, nil

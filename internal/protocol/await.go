@@ -32,6 +32,7 @@ func (c *Engine) PrepareAwait(ctx context.Context, namespace, key string, opts *
 func (c *Engine) Await(ctx context.Context, cl *Call) (rep Report, err error) {
 	defer func() { rep.failed(err) }()
 	w := c.newWaiter(cl, time.Time{}, false)
+	defer w.done()
 	for {
 		if err := ctx.Err(); err != nil {
 			return rep, err

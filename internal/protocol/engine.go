@@ -29,7 +29,9 @@ type Settings struct {
 	MaxKeyBytes, MaxNamespaceBytes int
 	MaxValueBytes                  int
 	FailOpen                       bool
-	Logger                         *slog.Logger
+	// PollOnly: waiters only poll; no notifications are sent or listened for.
+	PollOnly bool
+	Logger   *slog.Logger
 	// Emit receives every event; nil: none.
 	Emit func(ctx context.Context, kind EventKind, namespace string, count int64)
 }
@@ -44,12 +46,17 @@ type Engine struct {
 	reserves  *batcher[reserveReq, store.Row] // reserving inserts (round.go)
 	completes *batcher[completeReq, struct{}] // completing writes (round.go)
 
+	notifier notifier // notifications of finished records (notify.go)
+	listener listener // wakes waiters on notifications (notify.go)
+	channel  string   // the notification channel of the engine's records
+
 	planEach []any // query mode arguments that plan a statement for each execution (planEachExecution)
 }
 
 // New returns an engine storing records through pool with settings s.
 func New(pool *pgxpool.Pool, s Settings) *Engine {
-	c := &Engine{pool: pool, config: s, sql: store.New(s.Schema), planEach: planEachExecution(pool.Config().ConnConfig)}
+	c := &Engine{pool: pool, config: s, sql: store.New(s.Schema), planEach: planEachExecution(pool.Config().ConnConfig),
+		channel: store.Channel(s.Schema)}
 	c.reserves = &batcher[reserveReq, store.Row]{max: s.MaxBatch, run: c.leadReserves,
 		// Nothing was sent for a queued reservation: its caller may go.
 		leave: func(ctx context.Context) error { return &notHeldError{err: ctx.Err(), callerEnded: true} }}

@@ -21,6 +21,9 @@ func (c *Engine) complete(ctx context.Context, cl *Call, owner pgtype.UUID, stat
 	if err == errBatchFallback {
 		err = c.finish(ctx, cl, owner, "complete", c.sql.Complete, status, store.JSONText(result), store.JSONText(failure), store.Micros(cl.ttl))
 	}
+	if err == nil {
+		c.notifyDone(cl)
+	}
 	return err
 }
 
@@ -35,7 +38,11 @@ var errFinishNoRow = errors.New("pgidem: reservation no longer owned")
 func (c *Engine) finish(ctx context.Context, cl *Call, owner pgtype.UUID, op, sql string, extra ...any) error {
 	q := &heldConn{pool: c.pool}
 	defer q.release()
-	return c.finishOn(ctx, q, cl, owner, op, sql, extra...)
+	err := c.finishOn(ctx, q, cl, owner, op, sql, extra...)
+	if err == nil && op == "release" {
+		c.notifyDone(cl)
+	}
+	return err
 }
 
 // finishOn is finish with its first attempt on q's held connection, if any; a failed

@@ -36,6 +36,7 @@ const maxSnapshotRetries = 10
 func (c *Engine) acquire(ctx context.Context, cl *Call) (acquisition, error) {
 	var acq acquisition
 	w := c.newWaiter(cl, time.Time{}, false)
+	defer w.done()
 	snapshotRetries := 0
 	for round := 0; ; round++ {
 		if err := ctx.Err(); err != nil {

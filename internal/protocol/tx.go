@@ -84,6 +84,7 @@ func (c *Engine) doTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx cont
 		return res, false, err
 	}
 	w := c.newWaiter(cl, start, res.Waited) // the lock wait spends the same budget
+	defer w.done()
 	races, idleChecked := 0, false
 	for {
 		if found {

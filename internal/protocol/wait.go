@@ -17,6 +17,17 @@ type waiter struct {
 	backoff  time.Duration
 	waited   bool
 	maxSleep time.Duration // a bound on each sleep; 0: none
+	// wake fires when the key's record is notified finished; unregister (set with it)
+	// ends that registration: the waiter's owner calls done.
+	wake       <-chan struct{}
+	unregister func()
+}
+
+// done ends the waiter's registration for notifications, if any.
+func (w *waiter) done() {
+	if w.unregister != nil {
+		w.unregister()
+	}
 }
 
 func (c *Engine) newWaiter(cl *Call, start time.Time, waited bool) *waiter {
@@ -53,7 +64,10 @@ func (w *waiter) inProgress(ctx context.Context, r *store.Row) error {
 		sleep = min(sleep, w.maxSleep)
 	}
 	w.backoff = min(w.backoff*2, c.config.PollIntervalMax)
-	return sleepCtx(ctx, sleep)
+	if w.wake == nil {
+		w.wake, w.unregister = c.wakeOn(cl)
+	}
+	return sleepWoken(ctx, sleep, w.wake)
 }
 
 // sleepCtx sleeps for d or until ctx ends, returning ctx's error in that case.
@@ -66,6 +80,19 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 	case <-timer.C:
 		return nil
 	}
+}
+
+// sleepWoken sleeps for d, until wake fires, or until ctx ends (returning ctx's error).
+func sleepWoken(ctx context.Context, d time.Duration, wake <-chan struct{}) error {
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-timer.C:
+	case <-wake:
+	}
+	return nil
 }
 
 // jitter spreads d over [0.5d, 1.5d) so waiters do not poll in lockstep.

@@ -1,0 +1,89 @@
+package pgidem_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgidem/pgidem/pgidem"
+)
+
+// listening reports whether a session of the test's database has LISTENed on channel.
+func listening(t *testing.T, b *testBundle, channel string) bool {
+	t.Helper()
+	var n int
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
+		WHERE datname = current_database() AND query = 'LISTEN "' || $1 || '"'`, channel).Scan(&n))
+	return n > 0
+}
+
+// A waiter in another coordinator is woken by the holder's notification: it polls only
+// once a minute and gives up after 20 s, so it returns the value only when notified.
+func TestNotifyWakesWaiter(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	waiterCoord := b.newCoord(t, &pgidem.Config{PollIntervalMin: time.Minute, PollIntervalMax: time.Minute, WaitTimeout: 20 * time.Second})
+
+	started, release := make(chan struct{}), make(chan struct{})
+	held := make(chan error, 1)
+	go func() {
+		_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (string, error) {
+			close(started)
+			<-release
+			return "sent", nil
+		})
+		held <- err
+	}()
+	<-started
+	waited := make(chan pgidem.Result[string], 1)
+	go func() {
+		res, err := pgidem.DoResult(b.ctx, waiterCoord, "mail", "k", testTTL, nil, func(context.Context) (string, error) { return "again", nil })
+		require.NoError(t, err)
+		waited <- res
+	}()
+	require.Eventually(t, func() bool { return listening(t, b, "pgidem") }, 30*time.Second, 5*time.Millisecond)
+	close(release)
+	require.NoError(t, <-held)
+	res := <-waited
+	require.Equal(t, "sent", res.Value)
+	require.Equal(t, pgidem.OutcomeWaitedReplayed, res.Outcome)
+	// The listener stops with its last waiter.
+	require.Eventually(t, func() bool { return !listening(t, b, "pgidem") }, 30*time.Second, 5*time.Millisecond)
+}
+
+// Await and a schema's records use the schema's channel; with PollOnly no session
+// listens and the waiter polls.
+func TestNotifyPollOnly(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	pollOnly := b.newCoord(t, &pgidem.Config{PollOnly: true, WaitTimeout: time.Minute})
+	started, release := make(chan struct{}), make(chan struct{})
+	held := make(chan error, 1)
+	go func() {
+		_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (string, error) {
+			close(started)
+			<-release
+			return "sent", nil
+		})
+		held <- err
+	}()
+	<-started
+	waited := make(chan pgidem.Result[string], 1)
+	go func() {
+		res, err := pgidem.Await[string](b.ctx, pollOnly, "mail", "k", nil)
+		require.NoError(t, err)
+		waited <- res
+	}()
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND state = 'idle' AND query LIKE '%pgidem_record%'`).Scan(&n))
+		return n > 0
+	}, 30*time.Second, 5*time.Millisecond)
+	require.False(t, listening(t, b, "pgidem"))
+	close(release)
+	require.NoError(t, <-held)
+	require.Equal(t, "sent", (<-waited).Value)
+}

@@ -8,9 +8,11 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/pressly/goose/v3"
 	"github.com/spf13/cobra"
 
+	pgstore "github.com/pgidem/pgidem/internal/store"
 	"github.com/pgidem/pgidem/migrations"
 	pgidemriver "github.com/pgidem/pgidem/river"
 )
@@ -365,7 +367,7 @@ in another time zone shows shifted by that zone's offset.`,
 			schemaName := a.schema
 			if schemaName == "" {
 				// Without --schema, the first schema of the search_path that exists.
-				if err := db.QueryRowContext(ctx, "SELECT coalesce(current_schema(), '')").Scan(&schemaName); err != nil {
+				if schemaName, _, err = pgstore.CurrentSchema(ctx, queryRow(db)); err != nil {
 					return err
 				}
 			}
@@ -484,15 +486,6 @@ func newerNote(latest int64) string {
 	return fmt.Sprintf("newer than this pgidem's latest migration, %d: a newer release migrated the database", latest)
 }
 
-// lockHolderSQL finds a session of this database holding pgidem's migration lock ($1, a
-// session-level advisory lock on a bigint key: classid the high 32 bits, objid the low).
-const lockHolderSQL = `
-SELECT pid FROM pg_catalog.pg_locks
-WHERE locktype = 'advisory' AND granted AND objsubid = 1
-	AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
-	AND (classid::bigint << 32) | objid::bigint = $1
-LIMIT 1`
-
 // lockNoteDelay is how long a migration run waits for pgidem's migration lock before it
 // says whom it waits for. It is longer than goose's retry period (one second), so a lock
 // freed at once (another run with nothing to do, say) goes unmentioned.
@@ -534,10 +527,13 @@ func (a *app) noteLockWait(ctx context.Context, db *sql.DB) (stop func()) {
 // lockHolder returns the backend pid of a session holding pgidem's migration lock; held is
 // false when none does (or the check failed: the migration reports what matters).
 func lockHolder(ctx context.Context, db *sql.DB) (pid int, held bool) {
-	if err := db.QueryRowContext(ctx, lockHolderSQL, migrations.LockID).Scan(&pid); err != nil {
-		return 0, false
-	}
-	return pid, true
+	pid, held, err := pgstore.MigrationLockHolder(ctx, queryRow(db), migrations.LockID)
+	return pid, held && err == nil
+}
+
+// queryRow adapts db to the catalog reads of internal/store.
+func queryRow(db *sql.DB) pgstore.QueryRowFunc {
+	return func(ctx context.Context, query string, args ...any) pgx.Row { return db.QueryRowContext(ctx, query, args...) }
 }
 
 // installedAnew reports whether results include pgidem's first migration, which creates

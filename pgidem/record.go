@@ -51,7 +51,7 @@ type ForgetOpts struct {
 
 // Forget deletes the record for (namespace, key), so that the next call with the key runs
 // its effect again: an operator's tool for replaying an effect by hand after an incident
-// (the pgidem command's `records forget` does the same with its own statement). It
+// (the pgidem command's `records forget` sends the same statement). It
 // returns the record as it was deleted. A record in progress under a live lease (and
 // within its TTL) is refused with an [*InProgressError] (matching [ErrInProgress];
 // RetryAfter is its remaining lease) unless opts.Force is set: its holder may be running

@@ -10,6 +10,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/spf13/cobra"
+
+	pgstore "github.com/pgidem/pgidem/internal/store"
 )
 
 func (a *app) inboxCommand() *cobra.Command {
@@ -40,7 +42,7 @@ func messageArgs(cmd *cobra.Command, args []string) error {
 }
 
 func (a *app) inboxListCommand() *cobra.Command {
-	var p inboxListParams
+	var p pgstore.InboxFilter
 	cmd := &cobra.Command{
 		Use:   "list",
 		Short: "List inbox rows, newest first",
@@ -54,23 +56,23 @@ message was handled (RECEIVED) and the time left before the row expires (EXPIRES
   pgidem inbox list --expired --json`,
 		Args: cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
-			if err := checkFilter("--consumer", p.consumer); err != nil {
+			if err := checkFilter("--consumer", p.Consumer); err != nil {
 				return err
 			}
-			if err := checkFilter("--message-id", p.messageID); err != nil {
+			if err := checkFilter("--message-id", p.MessageID); err != nil {
 				return err
 			}
-			if cmd.Flags().Changed("consumer") && p.consumer == "" {
+			if cmd.Flags().Changed("consumer") && p.Consumer == "" {
 				return usagef("--consumer must not be empty (omit it to list every consumer)")
 			}
-			if cmd.Flags().Changed("message-id") && p.messageID == "" {
+			if cmd.Flags().Changed("message-id") && p.MessageID == "" {
 				return usagef("--message-id must not be empty (omit it to list every message)")
 			}
-			if p.limit < 0 || p.limit > math.MaxInt32 {
-				return usagef("--limit must be between 0 (no limit) and %d, got %d", math.MaxInt32, p.limit)
+			if p.Limit < 0 || p.Limit > math.MaxInt32 {
+				return usagef("--limit must be between 0 (no limit) and %d, got %d", math.MaxInt32, p.Limit)
 			}
 			return a.withStore(cmd.Context(), func(s *store) error {
-				rows, more, err := s.inboxList(cmd.Context(), p)
+				rows, more, err := s.inboxList(cmd.Context(), &p)
 				if err != nil {
 					return err
 				}
@@ -92,17 +94,17 @@ message was handled (RECEIVED) and the time left before the row expires (EXPIRES
 					return err
 				}
 				if more {
-					fmt.Fprintf(a.stdout, "(first %s; raise --limit for more)\n", count(p.limit, "row", "rows"))
+					fmt.Fprintf(a.stdout, "(first %s; raise --limit for more)\n", count(p.Limit, "row", "rows"))
 				}
 				return nil
 			})
 		}),
 	}
 	flags := cmd.Flags()
-	flags.StringVar(&p.consumer, "consumer", "", "only rows of this consumer")
-	flags.StringVar(&p.messageID, "message-id", "", "only rows of this message id (every consumer that handled it)")
-	flags.BoolVar(&p.expired, "expired", false, "only rows the next sweep deletes: past their retention")
-	flags.IntVar(&p.limit, "limit", listLimitDefault, "print at most this many rows (0: all)")
+	flags.StringVar(&p.Consumer, "consumer", "", "only rows of this consumer")
+	flags.StringVar(&p.MessageID, "message-id", "", "only rows of this message id (every consumer that handled it)")
+	flags.BoolVar(&p.Expired, "expired", false, "only rows the next sweep deletes: past their retention")
+	flags.IntVar(&p.Limit, "limit", listLimitDefault, "print at most this many rows (0: all)")
 	return cmd
 }
 
@@ -170,62 +172,35 @@ type inboxRow struct {
 	Payload    rawJSON   `json:"payload"`
 	ReceivedAt time.Time `json:"received_at"`
 	ExpiresAt  time.Time `json:"expires_at"`
-	// AgeSeconds and TTLRemainingSeconds are measured against the database's now(); the
-	// remaining time is negative once passed.
+	// AgeSeconds and TTLRemainingSeconds are measured against the database clock when the
+	// row was read; the remaining time is negative once passed.
 	AgeSeconds          float64 `json:"age_seconds"`
 	TTLRemainingSeconds float64 `json:"ttl_remaining_seconds"`
 	Expired             bool    `json:"expired"`
 }
 
-// inboxColumns selects an [inboxRow] from a relation aliased i.
-const inboxColumns = `i.consumer, i.message_id, i.payload::text, i.received_at, i.expires_at,
-	extract(epoch FROM now() - i.received_at)::float8,
-	extract(epoch FROM i.expires_at - now())::float8`
-
-func scanInboxRow(row pgx.Row) (*inboxRow, error) {
-	var r inboxRow
-	err := row.Scan(&r.Consumer, &r.MessageID, &r.Payload.text, &r.ReceivedAt, &r.ExpiresAt, &r.AgeSeconds, &r.TTLRemainingSeconds)
-	if err != nil {
-		return nil, err
+// newInboxRow returns the --json form of row.
+func newInboxRow(row *pgstore.InboxRow) *inboxRow {
+	return &inboxRow{
+		Consumer: row.Consumer, MessageID: row.MessageID, Payload: newRawJSON(row.Payload),
+		ReceivedAt: row.ReceivedAt, ExpiresAt: row.ExpiresAt,
+		AgeSeconds:          seconds(row.DBNow.Sub(row.ReceivedAt)),
+		TTLRemainingSeconds: seconds(row.ExpiresAt.Sub(row.DBNow)),
+		Expired:             row.Expired,
 	}
-	r.Expired = r.TTLRemainingSeconds <= 0
-	return &r, nil
 }
 
-// inboxListParams are the filters of inbox list.
-type inboxListParams struct {
-	consumer  string
-	messageID string
-	expired   bool
-	limit     int
-}
-
-// inboxList returns the inbox rows matching p, newest first, at most p.limit of them (0:
+// inboxList returns the inbox rows f selects, newest first, at most f.Limit of them (0:
 // all); more reports whether further rows match beyond the limit.
-func (s *store) inboxList(ctx context.Context, p inboxListParams) (rows []*inboxRow, more bool, err error) {
-	// $1 (consumer, "" for any), $2 (message id, "" for any) and $3 (expired only) are
-	// always bound; $4 is the limit.
-	query := "SELECT " + inboxColumns + " FROM " + s.inbox + ` i
-		WHERE ($1 = '' OR i.consumer = $1) AND ($2 = '' OR i.message_id = $2) AND (NOT $3 OR i.expires_at <= now())
-		ORDER BY i.received_at DESC, i.consumer, i.message_id`
-	args := []any{p.consumer, p.messageID, p.expired}
-	if p.limit > 0 {
-		// One more than asked for: whether it comes back says if more rows match.
-		query += " LIMIT $4"
-		args = append(args, p.limit+1)
-	}
-	result, err := s.pool.Query(ctx, query, args...)
+func (s *store) inboxList(ctx context.Context, f *pgstore.InboxFilter) (rows []*inboxRow, more bool, err error) {
+	read, more, err := s.sql.ListInbox(ctx, s.pool, f)
 	if err != nil {
 		return nil, false, s.translate(ctx, "list inbox rows", err)
 	}
-	rows, err = pgx.CollectRows(result, func(row pgx.CollectableRow) (*inboxRow, error) { return scanInboxRow(row) })
-	if err != nil {
-		return nil, false, s.translate(ctx, "list inbox rows", err)
+	for i := range read {
+		rows = append(rows, newInboxRow(&read[i]))
 	}
-	if p.limit > 0 && len(rows) > p.limit {
-		return rows[:p.limit], true, nil
-	}
-	return rows, false, nil
+	return rows, more, nil
 }
 
 // errNoInboxRow reports a (consumer, message id) with no inbox row.
@@ -234,15 +209,14 @@ func errNoInboxRow(consumer, messageID string) error {
 }
 
 func (s *store) inboxShow(ctx context.Context, consumer, messageID string) (*inboxRow, error) {
-	query := "SELECT " + inboxColumns + " FROM " + s.inbox + " i WHERE i.consumer = $1 AND i.message_id = $2"
-	r, err := scanInboxRow(s.pool.QueryRow(ctx, query, consumer, messageID))
+	r, err := s.sql.ReadInbox(ctx, s.pool, consumer, messageID)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errNoInboxRow(consumer, messageID)
 	}
 	if err != nil {
 		return nil, s.translate(ctx, "show inbox row", err)
 	}
-	return r, nil
+	return newInboxRow(r), nil
 }
 
 func (s *store) inboxForget(ctx context.Context, consumer, messageID string) (*inboxRow, error) {
@@ -251,8 +225,7 @@ func (s *store) inboxForget(ctx context.Context, consumer, messageID string) (*i
 		return nil, err
 	}
 	defer conn.Release()
-	query := "DELETE FROM " + s.inbox + " i WHERE i.consumer = $1 AND i.message_id = $2 RETURNING " + inboxColumns
-	r, err := scanInboxRow(conn.QueryRow(ctx, query, consumer, messageID))
+	r, err := s.sql.ForgetInbox(ctx, conn, consumer, messageID)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("%w; nothing deleted", errNoInboxRow(consumer, messageID))
 	}
@@ -262,5 +235,5 @@ func (s *store) inboxForget(ctx context.Context, consumer, messageID string) (*i
 		}
 		return nil, s.translate(ctx, "forget inbox row", err)
 	}
-	return r, nil
+	return newInboxRow(r), nil
 }

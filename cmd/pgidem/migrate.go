@@ -8,9 +8,11 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/pressly/goose/v3"
 	"github.com/spf13/cobra"
 
+	pgstore "github.com/pgidem/pgidem/internal/store"
 	"github.com/pgidem/pgidem/migrations"
 	pgidemriver "github.com/pgidem/pgidem/river"
 )
@@ -86,87 +88,16 @@ two deploys migrating River at once would otherwise race. River's tables go to
 		Example: "  pgidem migrate up --database-url postgres://app@db:5432/app\n  pgidem migrate up --river",
 		Args:    cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
-			if cmd.Flags().Changed("river-schema") && !withRiver {
-				return usagef("--river-schema needs --river")
-			}
-			if err := checkNotEmptyFlag(cmd, "river-schema", riverSchema, "to use --schema, else the search_path"); err != nil {
-				return err
-			}
-			if err := checkSchemaFlag("--river-schema", riverSchema); err != nil {
+			if err := checkRiverFlags(cmd, withRiver, riverSchema); err != nil {
 				return err
 			}
 			ctx := cmd.Context()
-			out := migrateResultJSON{RolledBack: []migrationJSON{}}
 			db, err := a.connectDB(ctx)
 			if err != nil {
 				return err
 			}
 			defer db.Close()
-			// A first install while pgidem's tables are in another schema is often a
-			// forgotten --schema (without one) or a mistyped one (IDEM for idem, which Up
-			// creates): say so (it still installs; schema-per-tenant set-ups do this on
-			// purpose).
-			var (
-				elsewhere     []string
-				schemaExisted = true
-			)
-			if a.schema == "" {
-				elsewhere, err = a.otherInstalls(ctx, db)
-			} else {
-				schemaExisted, elsewhere, err = a.schemaAndOtherInstalls(ctx)
-			}
-			if err != nil {
-				return err
-			}
-			stopNote := a.noteLockWait(ctx, db)
-			// migrations.Up, not the provider's: it creates --schema first, safely when
-			// deploys run at once.
-			results, err := migrations.Up(ctx, db, &migrations.Opts{Schema: a.schema})
-			stopNote()
-			if installedAnew(results) && len(elsewhere) > 0 {
-				if a.schema == "" {
-					fmt.Fprintf(a.stderr, "pgidem: note: installed pgidem anew here, although it is installed in %s of this database; "+
-						"if you meant that installation, roll this one back (pgidem migrate down --to 0) and pass --schema\n", schemaList(elsewhere))
-				} else {
-					created := ""
-					if !schemaExisted {
-						created = ", which this run created"
-					}
-					fmt.Fprintf(a.stderr, "pgidem: note: installed pgidem anew in schema %q%s, although it is installed in %s of this database "+
-						"(schema names are case-sensitive); if you meant that installation, roll this one back (%s) "+
-						"and pass that --schema instead\n", a.schema, created, schemaList(elsewhere),
-						commandLine([]string{"--schema", a.schema, "migrate", "down", "--to", "0"}))
-				}
-			}
-			out.Applied = resultsJSON(results)
-			a.printMigrations("applied", results)
-			if err != nil {
-				return err
-			}
-			if len(results) > 0 {
-				a.changed = "migrate up applied " + count(len(results), "migration", "migrations")
-			}
-			err = a.withProviderDB(ctx, db, func(p *goose.Provider) error {
-				version, _, err := p.GetVersions(ctx) // no lock: a deploy may be migrating
-				if err != nil {
-					return fmt.Errorf("pgidem: migrate up: read version: %w", err)
-				}
-				out.Version = version
-				if a.json {
-					return nil
-				}
-				sources := p.ListSources()
-				latest := sources[len(sources)-1].Version
-				switch {
-				case len(results) == 0 && version > latest:
-					fmt.Fprintf(a.stdout, "nothing to apply; pgidem schema is at version %d, %s\n", version, newerNote(latest))
-				case len(results) == 0:
-					fmt.Fprintf(a.stdout, "pgidem schema is up to date at version %d\n", out.Version)
-				default:
-					fmt.Fprintf(a.stdout, "pgidem schema is now at version %d\n", out.Version)
-				}
-				return nil
-			})
+			out, err := a.migrateUp(ctx, db)
 			if err != nil {
 				return err
 			}
@@ -186,6 +117,97 @@ two deploys migrating River at once would otherwise race. River's tables go to
 	cmd.Flags().BoolVar(&withRiver, "river", false, "also apply River's migrations, under an advisory lock")
 	cmd.Flags().StringVar(&riverSchema, "river-schema", "", "schema of River's tables, with --river (default: --schema, else the search_path)")
 	return cmd
+}
+
+// checkRiverFlags checks the River flags of migrate up.
+func checkRiverFlags(cmd *cobra.Command, withRiver bool, riverSchema string) error {
+	if cmd.Flags().Changed("river-schema") && !withRiver {
+		return usagef("--river-schema needs --river")
+	}
+	if err := checkNotEmptyFlag(cmd, "river-schema", riverSchema, "to use --schema, else the search_path"); err != nil {
+		return err
+	}
+	return checkSchemaFlag("--river-schema", riverSchema)
+}
+
+// migrateUp applies pgidem's pending migrations, printing them (but with --json) and the
+// version reached, and returns what --json reports of them.
+func (a *app) migrateUp(ctx context.Context, db *sql.DB) (*migrateResultJSON, error) {
+	// A first install while pgidem's tables are in another schema is often a forgotten
+	// --schema (without one) or a mistyped one (IDEM for idem, which Up creates): say so
+	// (it still installs; schema-per-tenant set-ups do this on purpose).
+	var (
+		elsewhere     []string
+		schemaExisted = true
+		err           error
+	)
+	if a.schema == "" {
+		elsewhere, err = a.otherInstalls(ctx, db)
+	} else {
+		schemaExisted, elsewhere, err = a.schemaAndOtherInstalls(ctx)
+	}
+	if err != nil {
+		return nil, err
+	}
+	stopNote := a.noteLockWait(ctx, db)
+	// migrations.Up, not the provider's: it creates --schema first, safely when deploys
+	// run at once.
+	results, err := migrations.Up(ctx, db, &migrations.Opts{Schema: a.schema})
+	stopNote()
+	if installedAnew(results) && len(elsewhere) > 0 {
+		a.noteInstalledElsewhere(elsewhere, schemaExisted)
+	}
+	out := &migrateResultJSON{Applied: resultsJSON(results), RolledBack: []migrationJSON{}}
+	a.printMigrations("applied", results)
+	if err != nil {
+		return nil, err
+	}
+	if len(results) > 0 {
+		a.changed = "migrate up applied " + count(len(results), "migration", "migrations")
+	}
+	err = a.withProviderDB(ctx, db, func(p *goose.Provider) error {
+		version, _, err := p.GetVersions(ctx) // no lock: a deploy may be migrating
+		if err != nil {
+			return fmt.Errorf("pgidem: migrate up: read version: %w", err)
+		}
+		out.Version = version
+		if a.json {
+			return nil
+		}
+		sources := p.ListSources()
+		latest := sources[len(sources)-1].Version
+		switch {
+		case len(results) == 0 && version > latest:
+			fmt.Fprintf(a.stdout, "nothing to apply; pgidem schema is at version %d, %s\n", version, newerNote(latest))
+		case len(results) == 0:
+			fmt.Fprintf(a.stdout, "pgidem schema is up to date at version %d\n", out.Version)
+		default:
+			fmt.Fprintf(a.stdout, "pgidem schema is now at version %d\n", out.Version)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// noteInstalledElsewhere notes on stderr that migrate up installed pgidem anew although
+// it is installed in the elsewhere schemas of the database.
+func (a *app) noteInstalledElsewhere(elsewhere []string, schemaExisted bool) {
+	if a.schema == "" {
+		fmt.Fprintf(a.stderr, "pgidem: note: installed pgidem anew here, although it is installed in %s of this database; "+
+			"if you meant that installation, roll this one back (pgidem migrate down --to 0) and pass --schema\n", schemaList(elsewhere))
+		return
+	}
+	created := ""
+	if !schemaExisted {
+		created = ", which this run created"
+	}
+	fmt.Fprintf(a.stderr, "pgidem: note: installed pgidem anew in schema %q%s, although it is installed in %s of this database "+
+		"(schema names are case-sensitive); if you meant that installation, roll this one back (%s) "+
+		"and pass that --schema instead\n", a.schema, created, schemaList(elsewhere),
+		commandLine([]string{"--schema", a.schema, "migrate", "down", "--to", "0"}))
 }
 
 // migrateRiver applies River's pending migrations under pgidemriver's advisory lock.
@@ -261,52 +283,61 @@ refused, naming the tables and their row counts, unless --force is given.`,
 				fmt.Fprintln(a.stdout, "nothing to roll back; pgidem is not installed here")
 				return nil
 			}
-			stopNote := a.noteLockWait(ctx, db)
-			var results []*goose.MigrationResult
-			if toSet {
-				results, err = migrations.DownTo(ctx, db, opts, to)
-			} else {
-				results, err = migrations.Down(ctx, db, opts)
-			}
-			stopNote()
-			if errors.Is(err, migrations.ErrDataLoss) {
-				return fmt.Errorf("%w; pass --force to roll back anyway", err)
-			}
-			out := migrateResultJSON{Applied: []migrationJSON{}, RolledBack: resultsJSON(results)}
-			verr := a.withProviderDB(ctx, db, func(p *goose.Provider) error {
-				var err error
-				out.Version, _, err = p.GetVersions(ctx) // no lock: a deploy may be migrating
-				return err
-			})
-			if err != nil {
-				// What was rolled back before the failure, then the error.
-				if a.json && verr == nil && len(results) > 0 {
-					_ = printJSON(a.stdout, out)
-				}
-				a.printMigrations("rolled back", results)
-				return err
-			}
-			if len(results) > 0 {
-				a.changed = "migrate down rolled back " + count(len(results), "migration", "migrations")
-			}
-			if verr != nil {
-				return fmt.Errorf("pgidem: migrate down: read version: %w", verr)
-			}
-			if a.json {
-				return printJSON(a.stdout, out)
-			}
-			a.printMigrations("rolled back", results)
-			if len(results) == 0 {
-				fmt.Fprintf(a.stdout, "nothing to roll back; pgidem schema is at version %d\n", out.Version)
-			} else {
-				fmt.Fprintf(a.stdout, "pgidem schema is now at version %d\n", out.Version)
-			}
-			return nil
+			return a.migrateDown(ctx, db, opts, toSet, to)
 		}),
 	}
 	cmd.Flags().Int64Var(&to, "to", 0, "roll back every migration above this version (0: all)")
 	cmd.Flags().BoolVar(&force, "force", false, "roll back even when that drops tables holding records or inbox rows")
 	return cmd
+}
+
+// migrateDown rolls back the most recent migration, or those above to when toSet, and
+// reports what it rolled back and the version reached.
+func (a *app) migrateDown(ctx context.Context, db *sql.DB, opts *migrations.Opts, toSet bool, to int64) error {
+	stopNote := a.noteLockWait(ctx, db)
+	var (
+		results []*goose.MigrationResult
+		err     error
+	)
+	if toSet {
+		results, err = migrations.DownTo(ctx, db, opts, to)
+	} else {
+		results, err = migrations.Down(ctx, db, opts)
+	}
+	stopNote()
+	if errors.Is(err, migrations.ErrDataLoss) {
+		return fmt.Errorf("%w; pass --force to roll back anyway", err)
+	}
+	out := migrateResultJSON{Applied: []migrationJSON{}, RolledBack: resultsJSON(results)}
+	verr := a.withProviderDB(ctx, db, func(p *goose.Provider) error {
+		var err error
+		out.Version, _, err = p.GetVersions(ctx) // no lock: a deploy may be migrating
+		return err
+	})
+	if err != nil {
+		// What was rolled back before the failure, then the error.
+		if a.json && verr == nil && len(results) > 0 {
+			_ = printJSON(a.stdout, out)
+		}
+		a.printMigrations("rolled back", results)
+		return err
+	}
+	if len(results) > 0 {
+		a.changed = "migrate down rolled back " + count(len(results), "migration", "migrations")
+	}
+	if verr != nil {
+		return fmt.Errorf("pgidem: migrate down: read version: %w", verr)
+	}
+	if a.json {
+		return printJSON(a.stdout, out)
+	}
+	a.printMigrations("rolled back", results)
+	if len(results) == 0 {
+		fmt.Fprintf(a.stdout, "nothing to roll back; pgidem schema is at version %d\n", out.Version)
+	} else {
+		fmt.Fprintf(a.stdout, "pgidem schema is now at version %d\n", out.Version)
+	}
+	return nil
 }
 
 // statusJSON is one row of migrate status --json.
@@ -365,7 +396,7 @@ in another time zone shows shifted by that zone's offset.`,
 			schemaName := a.schema
 			if schemaName == "" {
 				// Without --schema, the first schema of the search_path that exists.
-				if err := db.QueryRowContext(ctx, "SELECT coalesce(current_schema(), '')").Scan(&schemaName); err != nil {
+				if schemaName, _, err = pgstore.CurrentSchema(ctx, queryRow(db)); err != nil {
 					return err
 				}
 			}
@@ -484,15 +515,6 @@ func newerNote(latest int64) string {
 	return fmt.Sprintf("newer than this pgidem's latest migration, %d: a newer release migrated the database", latest)
 }
 
-// lockHolderSQL finds a session of this database holding pgidem's migration lock ($1, a
-// session-level advisory lock on a bigint key: classid the high 32 bits, objid the low).
-const lockHolderSQL = `
-SELECT pid FROM pg_catalog.pg_locks
-WHERE locktype = 'advisory' AND granted AND objsubid = 1
-	AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
-	AND (classid::bigint << 32) | objid::bigint = $1
-LIMIT 1`
-
 // lockNoteDelay is how long a migration run waits for pgidem's migration lock before it
 // says whom it waits for. It is longer than goose's retry period (one second), so a lock
 // freed at once (another run with nothing to do, say) goes unmentioned.
@@ -534,10 +556,15 @@ func (a *app) noteLockWait(ctx context.Context, db *sql.DB) (stop func()) {
 // lockHolder returns the backend pid of a session holding pgidem's migration lock; held is
 // false when none does (or the check failed: the migration reports what matters).
 func lockHolder(ctx context.Context, db *sql.DB) (pid int, held bool) {
-	if err := db.QueryRowContext(ctx, lockHolderSQL, migrations.LockID).Scan(&pid); err != nil {
-		return 0, false
+	pid, held, err := pgstore.MigrationLockHolder(ctx, queryRow(db), migrations.LockID)
+	return pid, held && err == nil
+}
+
+// queryRow adapts db to the catalog reads of internal/store.
+func queryRow(db *sql.DB) pgstore.QueryRowFunc {
+	return func(ctx context.Context, query string, args ...any) pgx.Row {
+		return db.QueryRowContext(ctx, query, args...)
 	}
-	return pid, true
 }
 
 // installedAnew reports whether results include pgidem's first migration, which creates

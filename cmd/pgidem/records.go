@@ -1,12 +1,19 @@
 package main
 
 import (
+	"context"
+	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"math"
 	"strings"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/spf13/cobra"
+
+	pgstore "github.com/pgidem/pgidem/internal/store"
 )
 
 // statusValues lists the values of pgidem_record.status, for messages.
@@ -88,60 +95,17 @@ record's result and error (the table leaves them out, and does not read them).
   pgidem records list --expired --json`,
 		Args: cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
-			if cmd.Flags().Changed("status") && p.status == "" {
-				// An empty variable ("--status $STATUS") must not silently list everything.
-				return usagef("--status must not be empty (omit it to list every status)")
-			}
-			if p.status != "" && !validStatus(p.status) {
-				return usagef("--status must be one of %s, got %q", statusValues, p.status)
-			}
-			if err := checkFilter("--namespace", p.namespace); err != nil {
+			if err := checkListFlags(cmd, &p); err != nil {
 				return err
 			}
-			if cmd.Flags().Changed("namespace") && p.namespace == "" {
-				// An empty variable ("--namespace $NS") must not silently list everything.
-				return usagef("--namespace must not be empty (omit it to list every namespace)")
-			}
-			// The upper bounds keep the values within the int4 attempts column, and
-			// --limit + 1 (see store.list) within an int.
-			if p.minAttempts < 0 || p.minAttempts > math.MaxInt32 {
-				return usagef("--min-attempts must be between 0 and %d, got %d", math.MaxInt32, p.minAttempts)
-			}
-			if p.limit < 0 || p.limit > math.MaxInt32 {
-				return usagef("--limit must be between 0 (no limit) and %d, got %d", math.MaxInt32, p.limit)
-			}
-			p.values = a.json
+			f := &pgstore.RecordFilter{Namespace: p.namespace, Status: pgstore.Status(p.status), MinAttempts: p.minAttempts,
+				Sweepable: p.expired, Limit: p.limit, Values: a.json}
 			return a.withStore(cmd.Context(), func(s *store) error {
-				records, more, err := s.list(cmd.Context(), p)
+				records, more, err := s.list(cmd.Context(), f)
 				if err != nil {
 					return err
 				}
-				if a.json {
-					if records == nil {
-						records = []*record{}
-					}
-					return printJSON(a.stdout, records)
-				}
-				if len(records) == 0 {
-					fmt.Fprintln(a.stdout, "no records match")
-					return nil
-				}
-				t := newTable(a.stdout, "NAMESPACE", "KEY", "STATUS", "ATTEMPTS", "AGE", "LEASE", "EXPIRES")
-				for _, r := range records {
-					lease := "-"
-					if r.Status == "in_progress" && r.LeaseRemainingSeconds != nil {
-						lease = remaining(*r.LeaseRemainingSeconds)
-					}
-					t.row(quoteName(r.Namespace), quoteName(r.Key), r.Status, fmt.Sprint(r.Attempts), humanDuration(r.AgeSeconds),
-						lease, remaining(r.TTLRemainingSeconds))
-				}
-				if err := t.flush(); err != nil {
-					return err
-				}
-				if more {
-					fmt.Fprintf(a.stdout, "(first %s; raise --limit for more)\n", count(p.limit, "record", "records"))
-				}
-				return nil
+				return a.printRecords(records, more, p.limit)
 			})
 		}),
 	}
@@ -152,6 +116,73 @@ record's result and error (the table leaves them out, and does not read them).
 	flags.BoolVar(&p.expired, "expired", false, "only records the next sweep deletes: past their TTL and not in progress under a live lease")
 	flags.IntVar(&p.limit, "limit", listLimitDefault, "print at most this many records (0: no limit; at most 2147483647)")
 	return cmd
+}
+
+// listParams are the flags of records list.
+type listParams struct {
+	namespace   string
+	status      string
+	minAttempts int
+	expired     bool
+	limit       int
+}
+
+// checkListFlags checks the flags of records list.
+func checkListFlags(cmd *cobra.Command, p *listParams) error {
+	if cmd.Flags().Changed("status") && p.status == "" {
+		// An empty variable ("--status $STATUS") must not silently list everything.
+		return usagef("--status must not be empty (omit it to list every status)")
+	}
+	if p.status != "" && !validStatus(p.status) {
+		return usagef("--status must be one of %s, got %q", statusValues, p.status)
+	}
+	if err := checkFilter("--namespace", p.namespace); err != nil {
+		return err
+	}
+	if cmd.Flags().Changed("namespace") && p.namespace == "" {
+		// An empty variable ("--namespace $NS") must not silently list everything.
+		return usagef("--namespace must not be empty (omit it to list every namespace)")
+	}
+	// The upper bounds keep the values within the int4 attempts column, and --limit + 1
+	// (see store.Statements.ListRecords) within an int.
+	if p.minAttempts < 0 || p.minAttempts > math.MaxInt32 {
+		return usagef("--min-attempts must be between 0 and %d, got %d", math.MaxInt32, p.minAttempts)
+	}
+	if p.limit < 0 || p.limit > math.MaxInt32 {
+		return usagef("--limit must be between 0 (no limit) and %d, got %d", math.MaxInt32, p.limit)
+	}
+	return nil
+}
+
+// printRecords prints the records a listing returned: as a JSON array, or as a table
+// with a note when more records match beyond limit.
+func (a *app) printRecords(records []*record, more bool, limit int) error {
+	if a.json {
+		if records == nil {
+			records = []*record{}
+		}
+		return printJSON(a.stdout, records)
+	}
+	if len(records) == 0 {
+		fmt.Fprintln(a.stdout, "no records match")
+		return nil
+	}
+	t := newTable(a.stdout, "NAMESPACE", "KEY", "STATUS", "ATTEMPTS", "AGE", "LEASE", "EXPIRES")
+	for _, r := range records {
+		lease := "-"
+		if r.Status == "in_progress" && r.LeaseRemainingSeconds != nil {
+			lease = remaining(*r.LeaseRemainingSeconds)
+		}
+		t.row(quoteName(r.Namespace), quoteName(r.Key), r.Status, fmt.Sprint(r.Attempts), humanDuration(r.AgeSeconds),
+			lease, remaining(r.TTLRemainingSeconds))
+	}
+	if err := t.flush(); err != nil {
+		return err
+	}
+	if more {
+		fmt.Fprintf(a.stdout, "(first %s; raise --limit for more)\n", count(limit, "record", "records"))
+	}
+	return nil
 }
 
 func (a *app) recordsShowCommand() *cobra.Command {
@@ -261,4 +292,159 @@ func printRecord(w io.Writer, r *record) error {
 	t.row("result", r.Result.String())
 	t.row("error", r.Error.String())
 	return t.flush()
+}
+
+// record is one row of pgidem_record with times derived from the database clock. It is
+// also the --json form of a record.
+type record struct {
+	Namespace   string  `json:"namespace"`
+	Key         string  `json:"key"`
+	Status      string  `json:"status"`
+	Attempts    int     `json:"attempts"`
+	TookOver    bool    `json:"took_over"`
+	Owner       string  `json:"owner"`
+	Fingerprint *string `json:"fingerprint"`
+	// Result and Error are the stored JSON documents (null when absent).
+	Result         rawJSON    `json:"result"`
+	Error          rawJSON    `json:"error"`
+	CreatedAt      time.Time  `json:"created_at"`
+	UpdatedAt      time.Time  `json:"updated_at"`
+	CompletedAt    *time.Time `json:"completed_at"`
+	LeaseExpiresAt *time.Time `json:"lease_expires_at"`
+	ExpiresAt      time.Time  `json:"expires_at"`
+	// AgeSeconds, LeaseRemainingSeconds and TTLRemainingSeconds are measured against the
+	// database clock when the record was read; the remaining times are negative once
+	// passed.
+	AgeSeconds            float64  `json:"age_seconds"`
+	LeaseRemainingSeconds *float64 `json:"lease_remaining_seconds"`
+	TTLRemainingSeconds   float64  `json:"ttl_remaining_seconds"`
+	Expired               bool     `json:"expired"`
+	LeaseExpired          bool     `json:"lease_expired"`
+}
+
+// newRecord returns the record of namespace and key that row holds.
+func newRecord(namespace, key string, row *pgstore.Row) *record {
+	r := &record{
+		Namespace: namespace, Key: key, Status: string(row.Status), Attempts: row.Attempts,
+		TookOver: row.Attempts > 1, Owner: row.Owner.String(),
+		Result: newRawJSON(row.Result), Error: newRawJSON(row.Failure),
+		CreatedAt: row.CreatedAt, UpdatedAt: row.UpdatedAt, ExpiresAt: row.ExpiresAt,
+		AgeSeconds:          seconds(row.DBNow.Sub(row.CreatedAt)),
+		TTLRemainingSeconds: seconds(row.ExpiresAt.Sub(row.DBNow)),
+		Expired:             row.Expired,
+		LeaseExpired:        row.LeaseExpired,
+	}
+	if row.Fingerprint != nil {
+		fingerprint := hex.EncodeToString(row.Fingerprint)
+		r.Fingerprint = &fingerprint
+	}
+	if row.CompletedAt.Valid {
+		r.CompletedAt = &row.CompletedAt.Time
+	}
+	if row.LeaseExpires.Valid {
+		r.LeaseExpiresAt = &row.LeaseExpires.Time
+		lease := seconds(row.LeaseExpires.Time.Sub(row.DBNow))
+		r.LeaseRemainingSeconds = &lease
+	}
+	return r
+}
+
+// seconds returns d in seconds, as Postgres's extract(epoch FROM interval)::float8 gives
+// it: the database's times are whole microseconds, and so is d.
+func seconds(d time.Duration) float64 { return float64(d.Microseconds()) / 1e6 }
+
+// live reports whether the record is in progress under a live lease: its holder may be
+// running the effect right now.
+func (r *record) live() bool {
+	return r.Status == "in_progress" && !r.LeaseExpired && !r.Expired
+}
+
+// rawJSON is stored JSON text, emitted verbatim in --json output.
+type rawJSON struct{ text *string }
+
+// newRawJSON returns the stored JSON text b (nil: absent).
+func newRawJSON(b []byte) rawJSON {
+	if b == nil {
+		return rawJSON{}
+	}
+	s := string(b)
+	return rawJSON{&s}
+}
+
+// MarshalJSON implements json.Marshaler.
+func (j rawJSON) MarshalJSON() ([]byte, error) {
+	if j.text == nil {
+		return []byte("null"), nil
+	}
+	return []byte(*j.text), nil
+}
+
+// String returns the JSON text, or "-" when absent.
+func (j rawJSON) String() string {
+	if j.text == nil {
+		return "-"
+	}
+	return *j.text
+}
+
+// list returns the records f selects, newest first, at most f.Limit of them (0: all).
+// more reports whether further records match beyond the limit; with f.Values it is always
+// false (the --json output has no such note, so no extra record is read to tell). Without
+// f.Values no result or error is read at all, and with it only those of the records
+// returned (see store.Statements.ListRecords).
+func (s *store) list(ctx context.Context, f *pgstore.RecordFilter) (records []*record, more bool, err error) {
+	rows, more, err := s.sql.ListRecords(ctx, s.pool, f)
+	if err != nil {
+		return nil, false, s.translate(ctx, "list records", err)
+	}
+	for i := range rows {
+		records = append(records, newRecord(rows[i].Namespace, rows[i].Key, &rows[i].Row))
+	}
+	return records, more, nil
+}
+
+// errNoRecord reports a (namespace, key) with no record.
+func errNoRecord(namespace, key string) error {
+	return fmt.Errorf("pgidem: no record for namespace %q key %q", namespace, key)
+}
+
+func (s *store) show(ctx context.Context, namespace, key string) (*record, error) {
+	row, err := s.sql.ReadRecord(ctx, s.pool, namespace, key)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, errNoRecord(namespace, key)
+	}
+	if err != nil {
+		return nil, s.translate(ctx, "show record", err)
+	}
+	return newRecord(namespace, key, row), nil
+}
+
+// forget deletes the record for (namespace, key) and returns it, with the statement
+// pgidem.Coordinator.Forget sends. It refuses a record in progress under a live lease
+// unless force is true.
+func (s *store) forget(ctx context.Context, namespace, key string, force bool) (*record, error) {
+	conn, err := s.acquireToDelete(ctx, "forget record")
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Release()
+	row, deleted, err := s.sql.ForgetRecord(ctx, conn, namespace, key, force)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("%w; nothing deleted", errNoRecord(namespace, key))
+	}
+	if err != nil {
+		if ie := interruptedDelete(ctx, "forget record", err, commandLine([]string{"records", "show"}, namespace, key)); ie != nil {
+			return nil, ie
+		}
+		return nil, s.translate(ctx, "forget record", err)
+	}
+	r := newRecord(namespace, key, row)
+	if deleted {
+		return r, nil
+	}
+	if r.live() {
+		return nil, fmt.Errorf("pgidem: refusing to forget namespace %q key %q: it is in progress under a live lease (%s, owner %s), so its holder may be running the effect right now (a live holder keeps renewing its lease; the lease ends only once the holder is gone); try again after that, or pass --force if you know the holder is gone",
+			namespace, key, "expires "+remaining(*r.LeaseRemainingSeconds), r.Owner)
+	}
+	return nil, fmt.Errorf("pgidem: namespace %q key %q changed while it was being forgotten (its holder renewed or took over the lease); nothing deleted; run the command again", namespace, key)
 }

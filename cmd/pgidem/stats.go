@@ -1,7 +1,9 @@
 package main
 
 import (
+	"context"
 	"fmt"
+	"time"
 
 	"github.com/spf13/cobra"
 )
@@ -69,4 +71,87 @@ list.`,
 			})
 		}),
 	}
+}
+
+// namespaceStats is one row of stats.
+type namespaceStats struct {
+	Namespace  string `json:"namespace"`
+	InProgress int64  `json:"in_progress"`
+	Completed  int64  `json:"completed"`
+	Failed     int64  `json:"failed"`
+	// LeaseExpired counts in-progress records whose holder stopped renewing the lease.
+	LeaseExpired int64 `json:"lease_expired"`
+	// TookOver counts records with attempts > 1: the effect may have run more than once.
+	TookOver int64 `json:"took_over"`
+	// Expired counts the records the next sweep deletes: past their TTL and not in
+	// progress under a live lease.
+	Expired          int64             `json:"expired"`
+	OldestInProgress *oldestInProgress `json:"oldest_in_progress"`
+}
+
+// oldestInProgress is the longest-running in-progress record of a namespace.
+type oldestInProgress struct {
+	Key                   string    `json:"key"`
+	CreatedAt             time.Time `json:"created_at"`
+	AgeSeconds            float64   `json:"age_seconds"`
+	LeaseExpiresAt        time.Time `json:"lease_expires_at"`
+	LeaseRemainingSeconds float64   `json:"lease_remaining_seconds"`
+}
+
+// tableStats describes a table as a whole.
+type tableStats struct {
+	Table string `json:"table"`
+	Rows  int64  `json:"rows"`
+	// Expired counts the rows the next sweep deletes: past their expiry (and, for records,
+	// not in progress under a live lease).
+	Expired    int64  `json:"expired"`
+	SizeBytes  int64  `json:"size_bytes"`
+	SizePretty string `json:"size_pretty"`
+}
+
+func (s *store) stats(ctx context.Context) ([]namespaceStats, *tableStats, error) {
+	read, err := s.sql.RecordStats(ctx, s.pool)
+	if err != nil {
+		return nil, nil, s.translate(ctx, "stats", err)
+	}
+	out := []namespaceStats{}
+	total := &tableStats{Table: s.display}
+	for _, r := range read {
+		ns := namespaceStats{Namespace: r.Namespace, InProgress: r.InProgress, Completed: r.Completed, Failed: r.Failed,
+			LeaseExpired: r.LeaseExpired, TookOver: r.TookOver, Expired: r.Sweepable}
+		if o := r.Oldest; o != nil {
+			ns.OldestInProgress = &oldestInProgress{
+				Key: o.Key, CreatedAt: o.CreatedAt, AgeSeconds: seconds(r.DBNow.Sub(o.CreatedAt)),
+				LeaseExpiresAt: o.LeaseExpiresAt, LeaseRemainingSeconds: seconds(o.LeaseExpiresAt.Sub(r.DBNow)),
+			}
+		}
+		total.Rows += ns.InProgress + ns.Completed + ns.Failed
+		total.Expired += ns.Expired
+		out = append(out, ns)
+	}
+	total.SizeBytes, total.SizePretty, err = s.sql.RecordTableSize(ctx, s.pool)
+	if err != nil {
+		return nil, nil, s.translate(ctx, "stats: table size", err)
+	}
+	return out, total, nil
+}
+
+// inboxStats describes the inbox table, or returns nil when the database has none (its
+// migration was not applied, for example when the files were vendored selectively).
+func (s *store) inboxStats(ctx context.Context) (*tableStats, error) {
+	_, exists, err := s.tablesExist(ctx)
+	if err != nil {
+		return nil, s.translate(ctx, "stats: inbox", err)
+	}
+	if !exists {
+		return nil, nil
+	}
+	t := &tableStats{Table: s.inboxDisplay}
+	if t.Rows, t.Expired, err = s.sql.InboxStats(ctx, s.pool); err != nil {
+		return nil, s.translate(ctx, "stats: inbox", err)
+	}
+	if t.SizeBytes, t.SizePretty, err = s.sql.InboxTableSize(ctx, s.pool); err != nil {
+		return nil, s.translate(ctx, "stats: table size", err)
+	}
+	return t, nil
 }

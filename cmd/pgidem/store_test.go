@@ -1,8 +1,6 @@
-package main
+package main_test
 
 import (
-	"context"
-	"io"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -10,35 +8,27 @@ import (
 	"github.com/pgidem/pgidem/internal/testdb"
 )
 
-// An interrupt that comes before the delete is sent (the pool's Acquire finds the context
-// ended, and returns a bare context.Canceled) used to be reported like a delete the server
-// did not answer: "may or may not have been applied". Nothing was sent, so nothing was
-// deleted, and forget says so.
-func TestForgetInterruptedBeforeSending(t *testing.T) {
+// --schema naming a schema that does not exist (a typo, or the wrong case: names are
+// case-sensitive) is reported as such, with where pgidem is installed, not as a missing
+// table with the advice to run migrate up.
+func TestMissingSchema(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	db := testdb.New(t)
-	_, err := db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts, expires_at)
-		VALUES ('mail', 'old-1', 'completed', gen_random_uuid(), 1, now() + interval '1 day')`)
-	require.NoError(t, err)
-	_, err = db.Pool.Exec(ctx, `INSERT INTO pgidem_inbox (consumer, message_id, expires_at) VALUES ('billing', 'm-1', now() + interval '1 day')`)
-	require.NoError(t, err)
+	db := testdb.New(t) // pgidem in public
 
-	a := &app{env: env{stdout: io.Discard, stderr: io.Discard, getenv: func(string) string { return "" }}, databaseURL: db.URL}
-	pool, err := a.connectPool(ctx) // connected: the interrupt comes after
-	require.NoError(t, err)
-	defer pool.Close()
-	s := newStore(pool, "")
-	interrupted, cancel := context.WithCancel(ctx)
-	cancel()
+	for _, args := range [][]string{
+		{"stats"}, {"records", "list"}, {"records", "show", "a", "b"}, {"records", "forget", "a", "b"},
+		{"inbox", "list"}, {"inbox", "show", "a", "b"}, {"inbox", "forget", "a", "b"}, {"sweep"},
+		{"migrate", "status"}, {"migrate", "version"}, {"migrate", "down", "--to", "0", "--force"},
+	} {
+		line := requireFail(t, cli(t, db.URL, append([]string{"--schema", "PUBLIC"}, args...)...), 1)
+		require.Contains(t, line, `: schema "PUBLIC" does not exist in database "`+db.Name+`"`, args)
+		require.Contains(t, line, "(schema names are case-sensitive)", args)
+		require.Contains(t, line, `pgidem is installed in schema "public" of this database: pass --schema`, args)
+		require.NotContains(t, line, "pgidem_record not found", args)
+	}
 
-	_, err = s.forget(interrupted, "mail", "old-1", false)
-	require.EqualError(t, err, "pgidem: forget record: interrupted; nothing was deleted")
-	_, err = s.inboxForget(interrupted, "billing", "m-1")
-	require.EqualError(t, err, "pgidem: forget inbox row: interrupted; nothing was deleted")
-
-	var records, inbox int
-	require.NoError(t, db.Pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM pgidem_record), (SELECT count(*) FROM pgidem_inbox)").Scan(&records, &inbox))
-	require.Equal(t, 1, records)
-	require.Equal(t, 1, inbox)
+	empty := testdb.NewUnmigrated(t)
+	line := requireFail(t, cli(t, empty.URL, "--schema", "idem", "stats"), 1)
+	require.Contains(t, line, `pgidem: stats: schema "idem" does not exist in database "`+empty.Name+`"`)
+	require.Contains(t, line, "run 'pgidem migrate up' with it (which creates the schema)")
 }

@@ -1,11 +1,13 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
 	"github.com/pgidem/pgidem/pgidem"
@@ -80,46 +82,61 @@ may have been deleted), and the message says so. Sweeping again is harmless.`,
 			if err != nil && ctx.Err() != nil {
 				return sweepInterrupted(err, deleted)
 			}
-			// inbox is nil when the database has no inbox table, as in stats.
-			inbox := &res.Inbox
-			// inboxName names the missing inbox table, schema included.
-			var inboxName string
-			if err != nil {
-				s := newStore(pool, a.schema)
-				if noInbox, checkErr := s.inboxMissing(ctx, err); checkErr == nil && noInbox {
-					// The records were swept; the inbox's migration was not applied.
-					err, inbox = nil, nil
-					inboxName = s.qualifiedInbox(ctx)
-				} else if missing := s.missingTable(ctx, "sweep", err); missing != nil {
-					err = missing
-				} else if se := (*pgidem.StoreError)(nil); errors.As(err, &se) {
-					// The library's "store unavailable" fits an outage, not an error the
-					// server answered with (permission denied, say): report it as the
-					// other commands do.
-					err = fmt.Errorf("pgidem: sweep: %w", se.Err)
-				}
-			}
+			// noInbox: the database has no inbox table; inboxName names it, schema included.
+			noInbox, inboxName, err := a.sweepError(ctx, pool, err)
 			if err != nil && res.Records+res.Inbox > 0 {
 				return fmt.Errorf("%w (before failing, the sweep deleted %s)", err, deleted)
 			}
 			if err != nil {
 				return err
 			}
-			a.changed = "sweep deleted " + deleted
-			if inbox == nil {
-				a.changed = "sweep deleted " + count(res.Records, "expired record", "expired records")
-			}
-			if a.json {
-				return printJSON(a.stdout, sweepJSON{Records: res.Records, Inbox: inbox})
-			}
-			if inbox == nil {
-				fmt.Fprintf(a.stdout, "swept %s (no inbox table %s)\n", count(res.Records, "expired record", "expired records"), inboxName)
-				return nil
-			}
-			fmt.Fprintf(a.stdout, "swept %s\n", deleted)
-			return nil
+			return a.printSweep(res, deleted, noInbox, inboxName)
 		}),
 	}
 	cmd.Flags().IntVar(&batchSize, "batch-size", pgidem.SweepBatchSizeDefault, "rows deleted per statement")
 	return cmd
+}
+
+// sweepError interprets the error of a sweep that was not interrupted: a database without
+// the inbox table (noInbox, named by inboxName) had its records swept, which is no error;
+// a missing record table gets the other commands' message, and a database error their
+// wording.
+func (a *app) sweepError(ctx context.Context, pool *pgxpool.Pool, err error) (noInbox bool, inboxName string, _ error) {
+	if err == nil {
+		return false, "", nil
+	}
+	s := newStore(pool, a.schema)
+	if missing, checkErr := s.inboxMissing(ctx, err); checkErr == nil && missing {
+		// The records were swept; the inbox's migration was not applied.
+		return true, s.qualifiedInbox(ctx), nil
+	}
+	if missing := s.missingTable(ctx, "sweep", err); missing != nil {
+		return false, "", missing
+	}
+	if se := (*pgidem.StoreError)(nil); errors.As(err, &se) {
+		// The library's "store unavailable" fits an outage, not an error the server
+		// answered with (permission denied, say): report it as the other commands do.
+		return false, "", fmt.Errorf("pgidem: sweep: %w", se.Err)
+	}
+	return false, "", err
+}
+
+// printSweep reports what a sweep deleted (deleted says it in words); with noInbox, the
+// database has no inbox table (inboxName) and --json reports "inbox": null.
+func (a *app) printSweep(res *pgidem.SweepResult, deleted string, noInbox bool, inboxName string) error {
+	a.changed = "sweep deleted " + deleted
+	inbox := &res.Inbox
+	if noInbox {
+		a.changed = "sweep deleted " + count(res.Records, "expired record", "expired records")
+		inbox = nil
+	}
+	if a.json {
+		return printJSON(a.stdout, sweepJSON{Records: res.Records, Inbox: inbox})
+	}
+	if noInbox {
+		fmt.Fprintf(a.stdout, "swept %s (no inbox table %s)\n", count(res.Records, "expired record", "expired records"), inboxName)
+		return nil
+	}
+	fmt.Fprintf(a.stdout, "swept %s\n", deleted)
+	return nil
 }

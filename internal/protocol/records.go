@@ -16,8 +16,7 @@ func (c *Engine) Lookup(ctx context.Context, db store.Executor, namespace, key s
 	if err := c.validateKey(namespace, key); err != nil {
 		return nil, err
 	}
-	var r store.Row
-	err := db.QueryRow(ctx, c.sql.Lookup, namespace, key).Scan(r.ScanTargets(false)...)
+	r, err := c.sql.ReadRecord(ctx, db, namespace, key)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, ErrNotFound
 	}
@@ -32,7 +31,7 @@ const forgetAttempts = 3
 
 // Forget deletes the record for (namespace, key), so that the next call with the key runs
 // its effect again: an operator's tool for replaying an effect by hand after an incident
-// (the pgidem command's `records forget` does the same with its own statement). It
+// (the pgidem command's `records forget` sends the same statement). It
 // returns the record as it was deleted. A record in progress under a live lease (and
 // within its TTL) is refused with an [*InProgressError] (matching [ErrInProgress];
 // RetryAfter is its remaining lease) unless opts.Force is set: its holder may be running
@@ -50,9 +49,7 @@ func (c *Engine) Forget(ctx context.Context, namespace, key string, force bool) 
 		return nil, err
 	}
 	for attempt := 1; ; attempt++ {
-		var r store.Row
-		var deleted bool
-		err := c.pool.QueryRow(ctx, c.sql.Forget, namespace, key, force).Scan(append(r.ScanTargets(false), &deleted)...)
+		r, deleted, err := c.sql.ForgetRecord(ctx, c.pool, namespace, key, force)
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 			return nil, ErrNotFound

@@ -7,12 +7,17 @@ type inboxStatements struct {
 	// InboxRecord records a message, taking over a row past its retention; it returns
 	// whether this call recorded it.
 	InboxRecord string
+	// readInbox reads one inbox row ($1 consumer, $2 message id); forgetInbox deletes it
+	// and returns it. Their columns are [InboxRow.ScanTargets]'.
+	readInbox, forgetInbox string
 }
 
 func newInboxStatements(schema string) inboxStatements {
 	t := Qualify(schema, "pgidem_inbox")
-	r := strings.NewReplacer("{t}", t)
+	r := strings.NewReplacer("{t}", t, "{cols}", inboxColumns)
 	return inboxStatements{
+		readInbox:   r.Replace(`SELECT {cols} FROM {t} WHERE consumer = $1 AND message_id = $2`),
+		forgetInbox: r.Replace(`DELETE FROM {t} WHERE consumer = $1 AND message_id = $2 RETURNING {cols}`),
 		// Record the message in one statement: take over a row past its retention, else
 		// insert; the one result column says whether this call recorded it.
 		//

@@ -23,11 +23,17 @@ type recordStatements struct {
 // The verdicts use statement_timestamp(), not now(): the two agree in a statement of its
 // own, but inside a caller's transaction (LookupTx, DoTx) now() is frozen at the
 // transaction's start, so a lease or TTL that ran out since would still look alive.
-var rowColumns = `status, owner, attempts, fingerprint, result, error, lease_expires_at,
+var rowColumns = rowColumnsWith("result", "error")
+
+// rowColumnsWith is rowColumns with result and failure read by the given expressions: a
+// listing reads them apart ([Statements.ListRecords]).
+func rowColumnsWith(result, failure string) string {
+	return `status, owner, attempts, fingerprint, ` + result + `, ` + failure + `, lease_expires_at,
 	expires_at, created_at, updated_at, completed_at,
 	expires_at <= statement_timestamp() AS expired,
 	(status = 'in_progress' AND lease_expires_at <= statement_timestamp()) AS lease_expired,
 	statement_timestamp() AS db_now, ` + releasedColumn
+}
 
 // releasedCondition is true for an in-progress row its holder gave up (see the release
 // statement): its lease was ended in the same statement that set updated_at, which no

@@ -4,8 +4,9 @@
 // Statements are built once per schema ([New]) with every identifier quoted through
 // pgx.Identifier; no caller string is spliced into SQL. Every verdict about time (a lease
 // or TTL that ran out) is taken by the database clock: statement_timestamp() where a
-// statement may run inside a caller's transaction, now() in statements that are
-// transactions of their own (the two agree there).
+// statement may run inside a caller's transaction and in every statement operators'
+// tools send (reads, listings, statistics, forget, sweep); now() in the protocol's
+// writes, which are transactions of their own (the two agree there).
 package store
 
 import (
@@ -39,6 +40,7 @@ type Statements struct {
 	inboxStatements
 	sweepStatements
 	listStatements
+	statsStatements
 }
 
 // New returns the statements for pgidem's tables in schema ("": resolved through the
@@ -50,6 +52,7 @@ func New(schema string) *Statements {
 		inboxStatements:  newInboxStatements(schema),
 		sweepStatements:  newSweepStatements(schema),
 		listStatements:   newListStatements(schema),
+		statsStatements:  newStatsStatements(schema),
 	}
 }
 

@@ -12,16 +12,29 @@ type sweepStatements struct {
 	SweepInbox string
 }
 
+// sweepableRecord is true for a record that a sweep deletes: past its TTL and not in
+// progress under a live lease. alias qualifies the columns ("r." in a statement that
+// names the table r). Listings and statistics count expired records by it too.
+func sweepableRecord(alias string) string {
+	return `(` + alias + `expires_at <= statement_timestamp() AND (` + alias + `status <> 'in_progress' OR ` +
+		alias + `lease_expires_at <= statement_timestamp()))`
+}
+
+// expiredInbox is true for an inbox row past its retention, which a sweep deletes. alias
+// qualifies the columns.
+func expiredInbox(alias string) string {
+	return `(` + alias + `expires_at <= statement_timestamp())`
+}
+
 func newSweepStatements(schema string) sweepStatements {
-	records := strings.NewReplacer("{t}", Qualify(schema, "pgidem_record"))
-	inbox := strings.NewReplacer("{t}", Qualify(schema, "pgidem_inbox"))
+	records := strings.NewReplacer("{t}", Qualify(schema, "pgidem_record"), "{sweepable}", sweepableRecord(""))
+	inbox := strings.NewReplacer("{t}", Qualify(schema, "pgidem_inbox"), "{expired}", expiredInbox(""))
 	return sweepStatements{
 		SweepRecords: records.Replace(`
 DELETE FROM {t}
 WHERE (namespace, key) IN (
 	SELECT namespace, key FROM {t}
-	WHERE expires_at <= now()
-		AND (status <> 'in_progress' OR lease_expires_at <= now())
+	WHERE {sweepable}
 	LIMIT $1
 	FOR UPDATE SKIP LOCKED
 )`),
@@ -29,7 +42,7 @@ WHERE (namespace, key) IN (
 DELETE FROM {t}
 WHERE (consumer, message_id) IN (
 	SELECT consumer, message_id FROM {t}
-	WHERE expires_at <= now()
+	WHERE {expired}
 	LIMIT $1
 	FOR UPDATE SKIP LOCKED
 )`),

@@ -41,6 +41,8 @@ func FingerprintDefault(r *http.Request, body []byte) []byte {
 // requestKeyContextKey carries the request's principal and Idempotency-Key to the handler.
 type requestKeyContextKey struct{}
 
+// requestKey is what the middleware admitted of a request ([Middleware.admit]): its
+// namespace, caller, Idempotency-Key and fingerprint.
 type requestKey struct {
 	namespace, principal, key string
 	fingerprint               []byte

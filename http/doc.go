@@ -74,6 +74,22 @@
 // idempotency key too ([pgidem.KeyFromContext] in fn). Never key effects by the client's
 // bare Idempotency-Key: two callers may send the same one.
 //
+// # Outcomes
+//
+// A request with a key is one [pgidem.DoResult] call, and the middleware answers by the
+// call's [pgidem.Result.Outcome]:
+//   - executed, taken_over, fail_open: the handler's own response;
+//   - replayed, waited_replayed: the stored response;
+//   - in_progress: 409 with Retry-After ([pgidem.Result.RetryAfter], within
+//     [Config.RetryAfterMax]);
+//   - fingerprint_mismatch: 422;
+//   - store_error: 503 ("store_unavailable");
+//   - a handler's response that could not be stored (not_stored, lease_lost, or a store
+//     error as it completed): logged, and when the handler wrote nothing, 503
+//     ("outcome_unknown"), or 409 after a takeover;
+//   - stored_failure (a record the middleware cannot replay), invalid_key, or none: 500,
+//     or a bare 503 when the client went away.
+//
 // # Publishing the policy
 //
 // The draft (section 2.5) asks a server to publish its idempotency policy for its

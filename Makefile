@@ -7,8 +7,9 @@ BENCHSTAT     := golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-22c9c6c9d
 TEST_FLAGS    ?=
 BENCH         ?= .
 BENCH_COUNT   ?= 6
+FLOOR_COUNT   ?= 5
 
-.PHONY: all test lint demo bench bench-river bench-http build tidy
+.PHONY: all test lint demo bench bench-micro bench-river bench-http build tidy
 
 all: lint test
 
@@ -34,10 +35,17 @@ demo:
 	$(GO) run ./examples/httpapi
 	$(GO) run ./examples/reconcile
 
-## bench: pgidem's benchmarks beside their raw-SQL baselines (see docs/performance.md).
+## bench: pgidem against the floor (hand-written statements in pgidem/floor_bench_test.go),
+## alternating slices in one process; prints benchstat lines, then each ratio's median and
+## range over the runs (about 2 min per run; see docs/performance.md).
 bench:
-	$(GO) test -run '^$$' -bench '$(BENCH)' -benchmem -count $(BENCH_COUNT) ./pgidem/ | tee bench.txt
+	$(GO) test -run '^$$' -bench 'BenchmarkFloor' -benchtime 1x -count $(FLOOR_COUNT) -timeout 15m ./pgidem/ | tee bench.txt
 	$(GO) run $(BENCHSTAT) bench.txt
+	$(GO) run ./internal/benchsql/benchratio bench.txt
+
+## bench-micro: pgidem's other benchmarks (BenchmarkDo, BenchmarkDoConcurrent, DoTx).
+bench-micro:
+	$(GO) test -run '^$$' -bench '$(BENCH)' -benchmem -count $(BENCH_COUNT) ./pgidem/
 
 ## bench-river: jobs per second through River with and without the middleware.
 bench-river:

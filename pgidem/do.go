@@ -39,14 +39,12 @@ type DoOpts struct {
 	// the TTL, or the call returns an [*InvalidTTLError]. Default 0: the config's.
 	Lease time.Duration
 
-	// ReserveFirst skips the indexed read a call starts with and goes straight to the
-	// reserving INSERT … ON CONFLICT DO NOTHING, which returns an existing record in the
-	// same round trip (and takes no lock or transaction id when it finds one). It saves a
-	// round trip when keys are usually new — queue jobs, where replays are the exception —
-	// and costs more per replay (that statement reads the existing row at about 1.7× the
-	// plain read; docs/performance.md). Default false: read first, which makes replays one
-	// plain indexed read. Either way the protocol and its guarantees are the same. DoTx and
-	// DoInTx ignore it (they read under an advisory lock).
+	// ReserveFirst starts this call with the reserving INSERT … ON CONFLICT DO NOTHING,
+	// which returns an existing record in the same round trip, whatever [Config.Order]
+	// says ([OrderReserveFirst] for one call). Useful where keys are almost always new
+	// (queue jobs) and a call should not depend on its namespace's estimate. Default false:
+	// the coordinator's order. Either way the protocol and its guarantees are the same.
+	// DoTx and DoInTx ignore it (they read under an advisory lock).
 	ReserveFirst bool
 
 	// Reconcile, when set, is asked before fn runs again on a key whose effect an earlier

@@ -722,7 +722,9 @@ func TestBackendTerminatedBeforeFn(t *testing.T) {
 	require.NoError(t, b.db.Pool.QueryRow(b.ctx, "SELECT pg_terminate_backend($1, 5000)", pid).Scan(&terminated))
 	require.True(t, terminated)
 
-	coord := b.newCoordOn(t, pool, nil)
+	// Read first: the read fails on the dead connection. (A reserving insert that starts a
+	// call instead counts the failure as a lost reply and runs again on a new connection.)
+	coord := b.newCoordOn(t, pool, &pgidem.Config{Order: pgidem.OrderReadFirst})
 	ran := false
 	_, err := pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { ran = true; return 1, nil })
 	require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
@@ -836,7 +838,8 @@ func TestServerWaitIsNotBlamedOnThePool(t *testing.T) {
 	_, err := locker.Exec(b.ctx, `LOCK TABLE pgidem_record IN ACCESS EXCLUSIVE MODE`)
 	require.NoError(t, err)
 	pool := b.newPool(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
-	coord := b.newCoordOn(t, pool, &pgidem.Config{FinishTimeout: 300 * time.Millisecond})
+	// Without ReserveFirst the call reads first.
+	coord := b.newCoordOn(t, pool, &pgidem.Config{FinishTimeout: 300 * time.Millisecond, Order: pgidem.OrderReadFirst})
 	for _, reserveFirst := range []bool{false, true} {
 		_, err := pgidem.Do(b.ctx, coord, "mail", "k", testTTL, &pgidem.DoOpts{ReserveFirst: reserveFirst},
 			func(context.Context) (int, error) { return 1, nil })

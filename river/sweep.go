@@ -45,6 +45,9 @@ type SweepConfig struct {
 	// [SweepPauseDefault] (100 ms); time.Duration(-1) (one nanosecond below zero, not
 	// -1 * time.Millisecond, which is rejected) for none.
 	Pause time.Duration
+	// RowsPerSecond paces the sweep ([pgidem.SweepOpts.RowsPerSecond]). Default
+	// [pgidem.SweepRowsPerSecondDefault] (5000); [pgidem.SweepUnpaced] (-1) for no pace.
+	RowsPerSecond int
 	// Timeout bounds one sweep job: it is the worker's River timeout
 	// ([SweepWorker.Timeout]), after which River cancels the sweep's context. A sweep cut
 	// short keeps what it deleted, returns nil, and the next run continues. Default
@@ -79,7 +82,7 @@ type SweepWorker struct {
 // NewSweepWorker returns a sweep worker for coord; config may be nil for defaults (it is
 // copied). Register it with river.AddWorker and schedule it with [NewSweepPeriodicJob]. It
 // returns an error matching [pgidem.ErrInvalidArgument] and naming the SweepConfig field
-// when a setting is invalid: a negative BatchSize, a Pause below time.Duration(-1), a negative Timeout (or
+// when a setting is invalid: a negative BatchSize, a RowsPerSecond below -1, a Pause below time.Duration(-1), a negative Timeout (or
 // a nil coord). It does not touch the database.
 func NewSweepWorker(coord *pgidem.Coordinator, config *SweepConfig) (*SweepWorker, error) {
 	if coord == nil {
@@ -97,6 +100,8 @@ func NewSweepWorker(coord *pgidem.Coordinator, config *SweepConfig) (*SweepWorke
 	switch {
 	case cfg.BatchSize < 0:
 		return nil, invalid("SweepConfig.BatchSize %d must not be negative", cfg.BatchSize)
+	case cfg.RowsPerSecond < pgidem.SweepUnpaced:
+		return nil, invalid("SweepConfig.RowsPerSecond %d must not be below -1 (no pace)", cfg.RowsPerSecond)
 	case cfg.Pause < -1:
 		return nil, invalid("SweepConfig.Pause %s must not be negative, except -1 for none", cfg.Pause)
 	case cfg.Timeout < 0:
@@ -116,11 +121,13 @@ func (w *SweepWorker) Timeout(*river.Job[SweepArgs]) time.Duration { return w.co
 // logged at error, and River retries the job.
 func (w *SweepWorker) Work(ctx context.Context, job *river.Job[SweepArgs]) error {
 	pause := max(w.config.Pause, 0)
-	res, err := w.coord.Sweep(ctx, &pgidem.SweepOpts{BatchSize: w.config.BatchSize, Pause: pause})
+	res, err := w.coord.Sweep(ctx, &pgidem.SweepOpts{BatchSize: w.config.BatchSize, Pause: pause,
+		RowsPerSecond: w.config.RowsPerSecond})
 	if res == nil {
 		res = &pgidem.SweepResult{}
 	}
-	attrs := []any{slog.Int64("job_id", job.ID), slog.Int64("records", res.Records), slog.Int64("inbox", res.Inbox)}
+	attrs := []any{slog.Int64("job_id", job.ID), slog.Int64("records", res.Records), slog.Int64("inbox", res.Inbox),
+		slog.Float64("rows_per_second", res.RowsPerSecond)}
 	if res.Records > 0 || res.Inbox > 0 {
 		w.config.Logger.InfoContext(ctx, "pgidemriver: sweep deleted expired rows", attrs...)
 	}

@@ -37,7 +37,7 @@ func sweepInterrupted(err error, deleted string) error {
 }
 
 func (a *app) sweepCommand() *cobra.Command {
-	var batchSize int
+	var batchSize, rate int
 	cmd := &cobra.Command{
 		Use:   "sweep",
 		Short: "Delete expired records and inbox rows in batches (for cron, where River's periodic sweep is not used)",
@@ -60,6 +60,9 @@ may have been deleted), and the message says so. Sweeping again is harmless.`,
 			if batchSize < 1 {
 				return usagef("--batch-size must be >= 1, got %d", batchSize)
 			}
+			if rate < pgidem.SweepUnpaced {
+				return usagef("--rows-per-second must be >= -1, got %d", rate)
+			}
 			ctx := cmd.Context()
 			pool, err := a.connectPool(ctx)
 			if ie := (*interruptedError)(nil); errors.As(err, &ie) {
@@ -73,7 +76,7 @@ may have been deleted), and the message says so. Sweeping again is harmless.`,
 			if err != nil {
 				return err
 			}
-			res, err := coord.Sweep(ctx, &pgidem.SweepOpts{BatchSize: batchSize})
+			res, err := coord.Sweep(ctx, &pgidem.SweepOpts{BatchSize: batchSize, RowsPerSecond: rate})
 			if res == nil {
 				res = &pgidem.SweepResult{}
 			}
@@ -94,6 +97,7 @@ may have been deleted), and the message says so. Sweeping again is harmless.`,
 		}),
 	}
 	cmd.Flags().IntVar(&batchSize, "batch-size", pgidem.SweepBatchSizeDefault, "rows deleted per statement")
+	cmd.Flags().IntVar(&rate, "rows-per-second", pgidem.SweepRowsPerSecondDefault, "most rows deleted per second, pausing between batches; -1 for no pace")
 	return cmd
 }
 

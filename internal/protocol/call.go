@@ -44,7 +44,7 @@ func (c *Engine) newCall(namespace, key string, ttl time.Duration, opts *Opts) (
 		waitTimeout:  cmp.Or(opts.WaitTimeout, c.config.WaitTimeout),
 		policy:       cmp.Or(opts.InFlight, c.config.InFlight),
 		fingerprint:  opts.Fingerprint,
-		reserveFirst: opts.ReserveFirst,
+		reserveFirst: opts.ReserveFirst || c.reserveFirst(namespace),
 		reconcile:    opts.Reconcile,
 	}
 	if ttl < c.config.MinTTL || cl.lease < LeaseMin || cl.lease >= ttl {
@@ -57,6 +57,18 @@ func (c *Engine) newCall(namespace, key string, ttl time.Duration, opts *Opts) (
 		return nil, InvalidArgument("DoOpts.InFlight %d is not a known policy", cl.policy)
 	}
 	return cl, nil
+}
+
+// reserveFirst reports whether a call of namespace starts with the reserving insert, as
+// the engine's Order says.
+func (c *Engine) reserveFirst(namespace string) bool {
+	switch c.config.Order {
+	case OrderReadFirst:
+		return false
+	case OrderReserveFirst:
+		return true
+	}
+	return c.orders.reserveFirst(namespace)
 }
 
 // validateKey checks a namespace and key against the rules in [ErrInvalidKey].

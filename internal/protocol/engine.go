@@ -26,6 +26,7 @@ type Settings struct {
 	PollIntervalMin                time.Duration
 	PollIntervalMax, FinishTimeout time.Duration
 	MaxBatch                       int
+	Order                          Order
 	MaxKeyBytes, MaxNamespaceBytes int
 	MaxValueBytes                  int
 	FailOpen                       bool
@@ -51,12 +52,29 @@ type Engine struct {
 	channel  string   // the notification channel of the engine's records
 
 	planEach []any // query mode arguments that plan a statement for each execution (planEachExecution)
+
+	orders *orderStats // each namespace's recent share of calls finding a record (OrderAdaptive)
+
+	clock clock // the time sweeps pace themselves by; tests replace it
 }
+
+// clock is where a sweep's pacing reads the time and waits.
+type clock interface {
+	Now() time.Time
+	// Sleep waits for d or until ctx ends, returning ctx's error then.
+	Sleep(ctx context.Context, d time.Duration) error
+}
+
+// wallClock is the clock of the process.
+type wallClock struct{}
+
+func (wallClock) Now() time.Time                                   { return time.Now() }
+func (wallClock) Sleep(ctx context.Context, d time.Duration) error { return sleepCtx(ctx, d) }
 
 // New returns an engine storing records through pool with settings s.
 func New(pool *pgxpool.Pool, s Settings) *Engine {
 	c := &Engine{pool: pool, config: s, sql: store.New(s.Schema), planEach: planEachExecution(pool.Config().ConnConfig),
-		channel: store.Channel(s.Schema)}
+		channel: store.Channel(s.Schema), orders: newOrderStats(), clock: wallClock{}}
 	c.reserves = &batcher[reserveReq, store.Row]{max: s.MaxBatch, run: c.leadReserves,
 		// Nothing was sent for a queued reservation: its caller may go.
 		leave: func(ctx context.Context) error { return &notHeldError{err: ctx.Err(), callerEnded: true} }}

@@ -73,6 +73,30 @@ func (c *Engine) Forget(ctx context.Context, namespace, key string, force bool) 
 	}
 }
 
+// SweepOpts are a sweep's settings (pgidem.SweepOpts documents each).
+type SweepOpts struct {
+	BatchSize     int
+	MaxBatches    int
+	Pause         time.Duration
+	RowsPerSecond int
+}
+
+// SweepResult counts the rows a sweep deleted and how fast.
+type SweepResult struct {
+	Records       int64
+	Inbox         int64
+	RowsPerSecond float64
+}
+
+const (
+	// SweepBatchSizeDefault is the batch size when SweepOpts.BatchSize is 0.
+	SweepBatchSizeDefault = 1000
+	// SweepRowsPerSecondDefault is the pace when SweepOpts.RowsPerSecond is 0.
+	SweepRowsPerSecondDefault = 5000
+	// SweepUnpaced as SweepOpts.RowsPerSecond sweeps without a pace.
+	SweepUnpaced = -1
+)
+
 // Sweep deletes expired records, then inbox rows past their retention ([InboxOpts]), in
 // batches until none is left (or MaxBatches per table is reached) and returns how many it
 // deleted from each table. Expired rows already behave as absent, so sweeping only
@@ -83,39 +107,31 @@ func (c *Engine) Forget(ctx context.Context, namespace, key string, force bool) 
 // between batches or mid-statement (that batch rolls back), and returns what was deleted
 // so far with ctx's error, neither logged nor counted as a store error. Database errors are
 // returned as [*StoreError], logged at error and counted ([EventStoreError]). A negative
-// [SweepOpts] field returns an error matching [ErrInvalidArgument] and deletes nothing.
-// Safe for concurrent use.
-// SweepOpts are a sweep's settings (pgidem.SweepOpts documents each).
-type SweepOpts struct {
-	BatchSize  int
-	MaxBatches int
-	Pause      time.Duration
-}
-
-// SweepResult counts the rows a sweep deleted.
-type SweepResult struct {
-	Records int64
-	Inbox   int64
-}
-
-// SweepBatchSizeDefault is the batch size when SweepOpts.BatchSize is 0.
-const SweepBatchSizeDefault = 1000
-
+// [SweepOpts] field (RowsPerSecond: below SweepUnpaced) returns an error matching [ErrInvalidArgument] and deletes nothing.
+// Full batches are paced (sweepPace.wait). Safe for concurrent use.
 func (c *Engine) Sweep(ctx context.Context, opts *SweepOpts) (*SweepResult, error) {
 	if opts == nil {
 		opts = &SweepOpts{}
 	}
-	if opts.BatchSize < 0 || opts.MaxBatches < 0 || opts.Pause < 0 {
-		return &SweepResult{}, InvalidArgument("SweepOpts.BatchSize %d, MaxBatches %d and Pause %s must not be negative", opts.BatchSize, opts.MaxBatches, opts.Pause)
+	if opts.BatchSize < 0 || opts.MaxBatches < 0 || opts.Pause < 0 || opts.RowsPerSecond < SweepUnpaced {
+		return &SweepResult{}, InvalidArgument("SweepOpts.BatchSize %d, MaxBatches %d and Pause %s must not be negative, "+
+			"and RowsPerSecond %d must not be below -1", opts.BatchSize, opts.MaxBatches, opts.Pause, opts.RowsPerSecond)
 	}
-	batch := cmp.Or(opts.BatchSize, SweepBatchSizeDefault)
+	p := sweepPace{batch: cmp.Or(opts.BatchSize, SweepBatchSizeDefault), maxBatches: opts.MaxBatches,
+		pause: opts.Pause, rate: cmp.Or(opts.RowsPerSecond, SweepRowsPerSecondDefault)}
 	res := &SweepResult{}
-	n, err := c.sweepTable(ctx, c.sql.SweepRecords, batch, opts)
+	start := c.clock.Now()
+	defer func() {
+		if d := c.clock.Now().Sub(start); d > 0 {
+			res.RowsPerSecond = float64(res.Records+res.Inbox) / d.Seconds()
+		}
+	}()
+	n, err := c.sweepTable(ctx, c.sql.SweepRecords, &p)
 	res.Records += n
 	if err != nil {
 		return res, err
 	}
-	n, err = c.sweepTable(ctx, c.sql.SweepInbox, batch, opts)
+	n, err = c.sweepTable(ctx, c.sql.SweepInbox, &p)
 	res.Inbox += n
 	if err == nil {
 		c.config.Logger.DebugContext(ctx, "pgidem: sweep done", slog.Int64("records", res.Records), slog.Int64("inbox", res.Inbox))
@@ -123,15 +139,34 @@ func (c *Engine) Sweep(ctx context.Context, opts *SweepOpts) (*SweepResult, erro
 	return res, err
 }
 
-func (c *Engine) sweepTable(ctx context.Context, sql string, batch int, opts *SweepOpts) (int64, error) {
+// sweepPace is how a sweep goes: rows per batch, batches per table (0: no bound), the
+// pause between batches, and the most rows per second (SweepUnpaced: no bound).
+type sweepPace struct {
+	batch, maxBatches int
+	pause             time.Duration
+	rate              int
+}
+
+// wait is how long to wait after a batch that deleted n rows in took before the next:
+// the pause, or longer when the batch came in faster than the rate allows.
+func (p *sweepPace) wait(n int64, took time.Duration) time.Duration {
+	if p.rate <= 0 {
+		return p.pause
+	}
+	return max(p.pause, time.Duration(n)*time.Second/time.Duration(p.rate)-took)
+}
+
+func (c *Engine) sweepTable(ctx context.Context, sql string, p *sweepPace) (int64, error) {
 	var total int64
-	for i := 0; opts.MaxBatches == 0 || i < opts.MaxBatches; i++ {
-		if i > 0 && opts.Pause > 0 {
-			if err := sleepCtx(ctx, opts.Pause); err != nil {
+	var wait time.Duration
+	for i := 0; p.maxBatches == 0 || i < p.maxBatches; i++ {
+		if wait > 0 {
+			if err := c.clock.Sleep(ctx, wait); err != nil {
 				return total, err
 			}
 		}
-		n, err := c.sweepBatch(ctx, sql, batch)
+		start := c.clock.Now()
+		n, err := c.sweepBatch(ctx, sql, p.batch)
 		if err != nil {
 			// ctx ending mid-statement is the caller's doing, which reportStoreError
 			// returns as such (the batch rolled back; the earlier ones stay deleted).
@@ -141,9 +176,10 @@ func (c *Engine) sweepTable(ctx context.Context, sql string, batch int, opts *Sw
 		if n > 0 {
 			c.emit(ctx, EventSwept, "", n)
 		}
-		if n < int64(batch) {
+		if n < int64(p.batch) {
 			break
 		}
+		wait = p.wait(n, c.clock.Now().Sub(start))
 	}
 	return total, nil
 }

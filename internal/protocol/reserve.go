@@ -45,6 +45,9 @@ func (c *Engine) acquire(ctx context.Context, cl *Call) (acquisition, error) {
 		// Under ReserveFirst the first round goes straight to the reserving insert, which
 		// reads an existing row itself.
 		r, held, err := c.readOrReserve(ctx, cl, round == 0 && cl.reserveFirst, &acq)
+		if round == 0 && err == nil {
+			c.orders.observe(cl.namespace, !r.Inserted)
+		}
 		if err == errReadAgain {
 			// A row committed after the statement's snapshot: run it again, pausing if
 			// the key churns.

@@ -129,6 +129,8 @@ type handledJobKey struct{}
 // exceeds its budget (Config.SQLTimeout, plus WaitTimeout under Wait).
 var errReserveTimeout = errors.New("pgidemriver: reservation step timed out")
 
+// work runs one execution of job through pgidem and maps the outcome pgidem reports to
+// River's answer with the action table ([decide]).
 func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error, out *Outcome) error {
 	info := m.kind(job.Kind)
 	if m.exclude[job.Kind] || (info != nil && m.exclude[info.kind]) {
@@ -146,169 +148,164 @@ func (m *Middleware) work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	// a deadline: the budget is a timer that cancels it, stopped as soon as the worker
 	// starts. From then on fn's context is cancelled only by the job's context or by
 	// pgidem with cause ErrLeaseLost.
-	budget := m.config.SQLTimeout
+	reserveCtx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	e := &execution{ctx: ctx, job: job, doInner: doInner, out: out, cancel: cancel}
+	e.timer = time.AfterFunc(m.reserveBudget(), func() { cancel(errReserveTimeout) })
+	defer e.timer.Stop()
+
+	opts := &pgidem.DoOpts{InFlight: m.config.InFlight, WaitTimeout: m.config.WaitTimeout, ReserveFirst: true}
+	res, err := pgidem.DoResult(reserveCtx, m.coord, out.Namespace, out.Key, ttl, opts, e.run)
+	out.Outcome, out.Waited, out.TookOver, out.Attempts, out.FailedOpen = res.Outcome, res.Waited, res.TookOver, res.Attempts, res.FailedOpen
+	timedOut := ctx.Err() == nil && context.Cause(reserveCtx) == errReserveTimeout
+	v := decide(e.facts(res.Outcome, err, timedOut))
+	return m.answer(ctx, e, v, res, err)
+}
+
+// reserveBudget is how long the reservation step may take: Config.SQLTimeout, plus
+// Config.WaitTimeout under InFlightWait.
+func (m *Middleware) reserveBudget() time.Duration {
 	if m.config.InFlight == pgidem.InFlightWait {
 		// Saturating: a huge WaitTimeout ("as long as it takes") must not wrap negative,
 		// which would fire the timer at once and never start a worker.
-		budget = saturatingSum(budget, m.config.WaitTimeout)
+		return saturatingSum(m.config.SQLTimeout, m.config.WaitTimeout)
 	}
-	reserveCtx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	timer := time.AfterFunc(budget, func() { cancel(errReserveTimeout) })
-	defer timer.Stop()
+	return m.config.SQLTimeout
+}
 
-	ran, succeeded := false, false // the worker started; it returned nil
-	opts := &pgidem.DoOpts{InFlight: m.config.InFlight, WaitTimeout: m.config.WaitTimeout, ReserveFirst: true}
-	var workerErr error // the worker's own error, as it returned it
-	stalled := false    // pgidem cancelled the worker: its lease renewals failed
-	res, err := pgidem.DoResult(reserveCtx, m.coord, out.Namespace, out.Key, ttl, opts,
-		func(fnCtx context.Context) (effectRecord, error) {
-			if !timer.Stop() {
-				// The budget ran out as the reservation was granted: do not start the
-				// worker on a cancelled context; pgidem releases the reservation.
-				return effectRecord{}, errReserveTimeout
-			}
-			ran = true
-			out.Action = ActionReleased // what a panicking worker comes to; replaced below otherwise
-			slot := &outputSlot{}
-			workCtx := context.WithValue(fnCtx, outputSlotKey{}, slot)
-			workCtx = context.WithValue(workCtx, handledJobKey{}, job.ID)
-			if err := doInner(workCtx); err != nil {
-				workerErr = err
-				stalled = ctx.Err() == nil && errors.Is(context.Cause(fnCtx), pgidem.ErrLeaseLost)
-				return effectRecord{}, err
-			}
-			succeeded = true
-			return effectRecord{JobID: job.ID, Attempt: job.Attempt, Output: slot.get()}, nil
-		})
-	out.Waited, out.TookOver, out.Attempts, out.FailedOpen = res.Waited, res.TookOver, res.Attempts, res.FailedOpen
+// execution is one job execution under a reservation: the worker pgidem runs as fn, and
+// what the worker did, as the middleware saw it.
+type execution struct {
+	ctx     context.Context // the job's context, as River gave it to the middleware
+	job     *rivertype.JobRow
+	doInner func(context.Context) error
+	out     *Outcome
+	timer   *time.Timer             // the reservation budget, stopped when the worker starts
+	cancel  context.CancelCauseFunc // cancels the reservation step
 
-	var (
-		inProgress *pgidem.InProgressError
-		snoozeErr  *river.JobSnoozeError
-		cancelErr  *river.JobCancelError
-		stored     *pgidem.StoredFailureError
-	)
-	// pgidem's verdict that a permanent failure was not stored is the top-level error; one
-	// the worker returned itself (from a call of its own) says nothing about this record.
-	notStored, _ := err.(*pgidem.FailureNotStoredError)
-	if own, ok := workerErr.(*pgidem.FailureNotStoredError); ok && own == notStored {
-		notStored = nil
+	started   bool  // the worker started
+	workerErr error // the worker's own error, as it returned it
+	stalled   bool  // pgidem cancelled the worker: its lease renewals failed
+}
+
+// run is the fn given to pgidem.DoResult: it starts the worker unless the reservation
+// budget ran out as the reservation was granted.
+func (e *execution) run(fnCtx context.Context) (effectRecord, error) {
+	if !e.timer.Stop() {
+		// The budget ran out as the reservation was granted: do not start the worker on a
+		// cancelled context; pgidem releases the reservation. Cancelling here too makes
+		// the cause certain before pgidem returns, whether or not the timer's function
+		// has run yet.
+		e.cancel(errReserveTimeout)
+		return effectRecord{}, errReserveTimeout
 	}
-	failureLeaseLost := notStored != nil && res.LeaseLost // pgidem's verdict on its own write
-	// A failure is permanent by pgidem's rule: the worker's error carries a
-	// [pgidem.PermanentError] (and pgidem stored it), or the record replayed a stored
-	// failure. A worker error that merely matches ErrPermanent through a nested call's
-	// replayed *StoredFailureError released the record like any other error, so River
-	// retries the job.
-	permanent := errors.As(workerErr, new(*pgidem.PermanentError)) || (!ran && errors.Is(err, pgidem.ErrPermanent))
-	switch {
-	case err == nil && res.Replayed:
-		out.Action = ActionReplayed
+	e.started = true
+	e.out.Action = ActionReleased // what a panicking worker comes to; replaced by the table otherwise
+	slot := &outputSlot{}
+	workCtx := context.WithValue(fnCtx, outputSlotKey{}, slot)
+	workCtx = context.WithValue(workCtx, handledJobKey{}, e.job.ID)
+	if err := e.doInner(workCtx); err != nil {
+		e.workerErr = err
+		e.stalled = e.ctx.Err() == nil && errors.Is(context.Cause(fnCtx), pgidem.ErrLeaseLost)
+		return effectRecord{}, err
+	}
+	return effectRecord{JobID: e.job.ID, Attempt: e.job.Attempt, Output: slot.get()}, nil
+}
+
+// facts gathers what the action table reads: pgidem's outcome and error, and what the
+// worker did. The worker's error is classified by what it carries itself, never by what
+// pgidem wrapped around it.
+func (e *execution) facts(outcome pgidem.Outcome, err error, timedOut bool) facts {
+	var stored *pgidem.StoredFailureError
+	return facts{
+		outcome:     outcome,
+		failed:      err != nil,
+		started:     e.started,
+		succeeded:   e.started && e.workerErr == nil,
+		permanent:   errors.As(e.workerErr, new(*pgidem.PermanentError)),
+		control:     errors.As(e.workerErr, new(*river.JobSnoozeError)) || errors.As(e.workerErr, new(*river.JobCancelError)),
+		stalled:     e.stalled,
+		timedOut:    timedOut,
+		notStorable: errors.As(err, &stored) && stored.NotStorable,
+	}
+}
+
+// answer applies the verdict v: it fills the execution's [Outcome], logs what needs an
+// operator's eye, and returns the error River gets (nil to complete the job).
+func (m *Middleware) answer(ctx context.Context, e *execution, v verdict, res pgidem.Result[effectRecord], err error) error {
+	out, job := e.out, e.job
+	out.Action, out.OutputNotStored, out.RecordNotCompleted = v.action, v.outputNotStored, v.recordNotCompleted
+	if v.action == ActionExecuted || v.action == ActionReplayed {
 		out.Output = res.Value.Output
-		if len(out.Output) > 0 {
-			// The replayed job carries the original run's output, as if it had run.
-			if err := river.RecordOutput(ctx, out.Output); err != nil {
-				m.config.Logger.WarnContext(ctx, "pgidemriver: could not record replayed output",
-					slog.Int64("job_id", job.ID), slog.String("job_kind", job.Kind), slog.String("error", err.Error()))
-			}
-		}
+	}
+	m.logVerdict(ctx, out, err)
+	switch v.reply {
+	case replyNil:
 		return nil
-	case err == nil:
-		out.Action = ActionExecuted
-		out.Output = res.Value.Output
+	case replyReplay:
+		m.recordReplayedOutput(ctx, out)
 		return nil
-	case succeeded && errors.Is(err, pgidem.ErrResultNotStorable) && !errors.Is(err, pgidem.ErrLeaseLost):
-		// The worker succeeded and its effect ran; only its recorded output could not be
-		// stored. pgidem completed the record without it (the effect is not repeated), and
-		// River already holds the output in the job's metadata, so the job completes.
-		out.Action = ActionExecuted
-		out.OutputNotStored = true
-		out.Output = res.Value.Output
-		m.config.Logger.WarnContext(ctx, "pgidemriver: job output not storable in the idempotency record; "+
-			"the job completes and replays of its key carry no output",
-			slog.Int64("job_id", job.ID), slog.String("job_kind", job.Kind),
-			slog.String("namespace", out.Namespace), slog.String("key", out.Key), slog.String("error", err.Error()))
-		return nil
-	case !ran && errors.As(err, &stored) && stored.NotStorable:
-		// An earlier execution ran the effect and only its output was lost: a replay.
-		out.Action = ActionReplayed
-		out.OutputNotStored = true
-		return nil
-	case ran && (errors.As(err, &snoozeErr) || errors.As(err, &cancelErr)):
-		switch {
-		case failureLeaseLost:
-			out.Action = ActionError // nothing stored: the record is another holder's
-		case permanent:
-			out.Action = ActionCancelled // river.JobCancel(pgidem.Permanent(e)): stored as failed
-			out.RecordNotCompleted = notStored != nil
-		default:
-			out.Action = ActionReleased
-		}
-		return err // River's own control errors pass through unchanged
-	case permanent && !failureLeaseLost:
-		// Stored (or replayed), or the store failed to store it: the worker's verdict
-		// stands either way, so River does not retry this job.
-		out.Action = ActionCancelled
-		out.RecordNotCompleted = notStored != nil
-		if !ran {
-			// Say in River's errors column that this job only replayed the failure.
-			err = fmt.Errorf("pgidemriver: job %d (%s): replayed the failure an earlier execution stored for %s/%s: %w",
-				job.ID, job.Kind, out.Namespace, out.Key, err)
-		}
+	case replyError:
+		return err // the worker's error, or pgidem's around it, unchanged
+	case replyCancel:
 		return river.JobCancel(err)
-	case succeeded && !errors.Is(err, pgidem.ErrLeaseLost):
-		// The worker succeeded and its effect ran, but the store kept failing, so its
-		// record could not be completed. A retry of this job would find the reservation in
-		// progress until its lease ends, then take it over and run the effect again, so
-		// the job completes. pgidem logged the store error.
-		out.Action = ActionExecuted
-		out.RecordNotCompleted = true
-		out.Output = res.Value.Output
-		m.config.Logger.ErrorContext(ctx, "pgidemriver: job succeeded but its idempotency record could not be completed; "+
-			"the job completes, and a later job with the key takes the record over when its lease ends",
-			slog.Int64("job_id", job.ID), slog.String("job_kind", job.Kind),
-			slog.String("namespace", out.Namespace), slog.String("key", out.Key), slog.String("error", err.Error()))
-		return nil
-	case succeeded || failureLeaseLost:
-		// The lease was lost while the worker ran (pgidem's answer: the worker succeeded
-		// or failed permanently, and its outcome could not be written): nothing was
-		// completed (the record is another holder's now), and River's retry replays or
-		// waits for that holder's outcome. The error makes the anomaly visible on the job.
-		out.Action = ActionError
-		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
-	case ran && res.LeaseLost:
-		// The worker failed (most likely with its context's error, which pgidem cancelled
-		// as the lease ran out) and pgidem then found the record taken over: say so, or
-		// River's errors column would show a bare "context canceled" for what may be an
-		// effect run twice. Nothing was released: the record is the new holder's.
-		out.Action = ActionError
+	case replyCancelReplayed:
+		// Say in River's errors column that this job only replayed the failure.
+		return river.JobCancel(fmt.Errorf("pgidemriver: job %d (%s): replayed the failure an earlier execution stored for %s/%s: %w",
+			job.ID, job.Kind, out.Namespace, out.Key, err))
+	case replySnooze:
+		out.Snooze = min(max(res.RetryAfter, m.config.SnoozeMin), m.config.SnoozeMax)
+		return river.JobSnooze(out.Snooze)
+	case replyLeaseLost:
 		return fmt.Errorf("pgidemriver: job %d (%s): the worker stopped after its reservation's lease was lost (%w); it returned: %w",
 			job.ID, job.Kind, pgidem.ErrLeaseLost, err)
-	case ran && stalled:
-		// pgidem cancelled the worker because its lease could not be renewed in time (a
-		// slow or unreachable store, a starved pool), and then released the record, which
-		// nobody had taken over: say so, or River's errors column would show a bare
-		// "context canceled". Not a lost lease (it matches nothing of pgidem's).
-		out.Action = ActionReleased
+	case replyStalled:
 		return fmt.Errorf("pgidemriver: job %d (%s): pgidem cancelled the worker because its lease could not be renewed in time; the record was released, and River retries the job; the worker returned: %w",
 			job.ID, job.Kind, err)
-	case ran:
-		out.Action = ActionReleased
-		return err // the worker's error, unchanged
-	case errors.As(err, &inProgress):
-		out.Action = ActionSnoozed
-		out.Snooze = min(max(inProgress.RetryAfter, m.config.SnoozeMin), m.config.SnoozeMax)
-		return river.JobSnooze(out.Snooze)
-	case ctx.Err() == nil && context.Cause(reserveCtx) == errReserveTimeout:
-		out.Action = ActionError
-		limit := fmt.Sprintf("Config.SQLTimeout %s", m.config.SQLTimeout)
-		if m.config.InFlight == pgidem.InFlightWait {
-			limit += fmt.Sprintf(" + Config.WaitTimeout %s", m.config.WaitTimeout)
-		}
-		return fmt.Errorf("pgidemriver: job %d (%s): reservation exceeded %s: %w", job.ID, job.Kind, limit, context.DeadlineExceeded)
-	default:
-		out.Action = ActionError
-		return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
+	case replyTimeout:
+		return m.timeoutError(job)
+	}
+	return fmt.Errorf("pgidemriver: job %d (%s): %w", job.ID, job.Kind, err)
+}
+
+// timeoutError is the error of a reservation step that exceeded its budget.
+func (m *Middleware) timeoutError(job *rivertype.JobRow) error {
+	limit := fmt.Sprintf("Config.SQLTimeout %s", m.config.SQLTimeout)
+	if m.config.InFlight == pgidem.InFlightWait {
+		limit += fmt.Sprintf(" + Config.WaitTimeout %s", m.config.WaitTimeout)
+	}
+	return fmt.Errorf("pgidemriver: job %d (%s): reservation exceeded %s: %w", job.ID, job.Kind, limit, context.DeadlineExceeded)
+}
+
+// recordReplayedOutput records a replayed job's output with River, as if it had run.
+func (m *Middleware) recordReplayedOutput(ctx context.Context, out *Outcome) {
+	if len(out.Output) == 0 {
+		return
+	}
+	if err := river.RecordOutput(ctx, out.Output); err != nil {
+		m.config.Logger.WarnContext(ctx, "pgidemriver: could not record replayed output",
+			slog.Int64("job_id", out.Job.ID), slog.String("job_kind", out.Job.Kind), slog.String("error", err.Error()))
+	}
+}
+
+// logVerdict logs a worker whose effect ran but whose record lacks its output, or was not
+// completed at all; err is pgidem's.
+func (m *Middleware) logVerdict(ctx context.Context, out *Outcome, err error) {
+	if out.Action != ActionExecuted {
+		return
+	}
+	attrs := []any{slog.Int64("job_id", out.Job.ID), slog.String("job_kind", out.Job.Kind),
+		slog.String("namespace", out.Namespace), slog.String("key", out.Key)}
+	switch {
+	case out.OutputNotStored:
+		m.config.Logger.WarnContext(ctx, "pgidemriver: job output not storable in the idempotency record; "+
+			"the job completes and replays of its key carry no output", append(attrs, slog.String("error", err.Error()))...)
+	case out.RecordNotCompleted:
+		// A retry of this job would find the reservation in progress until its lease
+		// ends, then take it over and run the effect again, so the job completes. pgidem
+		// logged the store error.
+		m.config.Logger.ErrorContext(ctx, "pgidemriver: job succeeded but its idempotency record could not be completed; "+
+			"the job completes, and a later job with the key takes the record over when its lease ends",
+			append(attrs, slog.String("error", err.Error()))...)
 	}
 }

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/riverqueue/river/rivertype"
+
+	"github.com/pgidem/pgidem/pgidem"
 )
 
 // Outcome describes one execution of a job through the middleware, for a [Hook].
@@ -18,8 +20,16 @@ type Outcome struct {
 	Namespace, Key string
 	// KeySource says where Key came from.
 	KeySource KeySource
-	// Action is what happened.
+	// Action is what the middleware did, and so what River got: a River-level summary
+	// of Outcome and the worker's own result.
 	Action Action
+	// Outcome is pgidem's outcome of the execution's call ([pgidem.Result.Outcome]), in
+	// the vocabulary of pgidem's results and events: [pgidem.OutcomeExecuted] or
+	// [pgidem.OutcomeTakenOver] when the worker ran, [pgidem.OutcomeReplayed],
+	// [pgidem.OutcomeInProgress] for a snoozed job, and so on. [pgidem.OutcomeNone] when
+	// pgidem reached no outcome: the kind is excluded ([ActionSkipped]), the key could not
+	// be determined, the context ended first, or the worker panicked.
+	Outcome pgidem.Outcome
 	// Waited is true when the execution waited for another holder ([pgidem.InFlightWait]).
 	Waited bool
 	// TookOver is true when the execution took over a reservation whose holder stopped

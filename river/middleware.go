@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/riverqueue/river"
@@ -65,9 +64,7 @@ type Middleware struct {
 	kinds map[string]*kindInfo // registered args types by kind (and kind alias)
 
 	fallbackLogged sync.Map // kind -> struct{}: job-id fallback already logged
-	counts         struct {
-		executed, replayed, snoozed, released, cancelled, errors, skipped, waited, jobIDKeys, failedOpen, recordNotCompleted atomic.Int64
-	}
+	counts         counts
 }
 
 var _ rivertype.WorkerMiddleware = (*Middleware)(nil)

@@ -74,6 +74,7 @@ func TestRescuerDuplicate(t *testing.T) {
 				snoozed := outs.waitFor(t, pgidemriver.ActionSnoozed)
 				require.Equal(t, id, snoozed.Job.ID)
 				require.Positive(t, snoozed.Snooze)
+				require.Equal(t, pgidem.OutcomeInProgress, snoozed.Outcome)
 				// Release the first run only once River has written the snooze, so the
 				// first run's completion finds the job no longer running and the next
 				// delivery is the one that completes it, by replaying.
@@ -87,6 +88,11 @@ func TestRescuerDuplicate(t *testing.T) {
 			replayed := outs.waitFor(t, pgidemriver.ActionReplayed)
 			require.Equal(t, id, replayed.Job.ID)
 			require.Equal(t, tc.policy == pgidem.InFlightWait, replayed.Waited)
+			wantReplay := pgidem.OutcomeReplayed
+			if tc.policy == pgidem.InFlightWait {
+				wantReplay = pgidem.OutcomeWaitedReplayed
+			}
+			require.Equal(t, wantReplay, replayed.Outcome, "the action says replayed; pgidem's outcome says how")
 
 			require.EqualValues(t, 1, runs.Load(), "the worker body ran once")
 			require.Equal(t, 1, b.effects(t), "the effect ran once")
@@ -98,6 +104,8 @@ func TestRescuerDuplicate(t *testing.T) {
 				}
 			}
 			require.NotNil(t, executed)
+			require.Equal(t, pgidem.OutcomeExecuted, executed.Outcome)
+			require.EqualValues(t, 1, mw.Stats().Outcomes[pgidem.OutcomeExecuted], "Stats count by pgidem's outcome too")
 			require.JSONEq(t, string(executed.Output), string(replayed.Output), "the duplicate returns the first run's receipt")
 			require.JSONEq(t, string(executed.Output), string(job.Output()))
 			rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-9.invoice")
@@ -185,6 +193,7 @@ func TestFailingWorkerReleases(t *testing.T) {
 	require.Equal(t, errSMTP.Error(), job.Errors[0].Error, "the worker's error reaches River unchanged")
 	released := outs.waitFor(t, pgidemriver.ActionReleased)
 	require.Same(t, errSMTP, released.Err)
+	require.Equal(t, pgidem.OutcomeExecuted, released.Outcome, "pgidem ran fn and released the record after its error")
 	require.Equal(t, 1, b.effects(t))
 	rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-9.invoice")
 	require.NoError(t, err)
@@ -225,7 +234,8 @@ func TestSnoozeKeepsAttempts(t *testing.T) {
 	<-holding
 
 	id := b.insert(t, InvoiceArgs{OrderID: 9}, nil)
-	outs.waitFor(t, pgidemriver.ActionSnoozed)
+	snoozed := outs.waitFor(t, pgidemriver.ActionSnoozed)
+	require.Equal(t, pgidem.OutcomeInProgress, snoozed.Outcome)
 	parked := b.waitJob(t, id, rivertype.JobStateAvailable, rivertype.JobStateScheduled)
 	require.Equal(t, 0, parked.Attempt, "a snooze gives the attempt back")
 	require.Empty(t, parked.Errors)
@@ -259,5 +269,6 @@ func TestInvalidKey(t *testing.T) {
 	require.Contains(t, job.Errors[0].Error, "invalid idempotency key")
 	out := outs.waitFor(t, pgidemriver.ActionError)
 	require.ErrorIs(t, out.Err, pgidem.ErrInvalidKey)
+	require.Equal(t, pgidem.OutcomeInvalid, out.Outcome)
 	require.Equal(t, 0, b.effects(t))
 }

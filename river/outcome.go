@@ -4,7 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
+	"maps"
 	"runtime/debug"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/riverqueue/river/rivertype"
@@ -103,6 +106,29 @@ type Stats struct {
 	// ([Outcome.RecordNotCompleted]): a worker that succeeded (these count in Executed
 	// too) or one whose Permanent failure could not be stored (these count in Cancelled).
 	RecordNotCompleted int64
+	// Outcomes counts executions by pgidem's outcome of their call ([Outcome.Outcome]), in
+	// the vocabulary of pgidem's results and events. Skipped executions are not counted;
+	// executions that reached no outcome count under [pgidem.OutcomeNone]. Nil before the
+	// first execution that is not skipped; a new map on every call of [Middleware.Stats].
+	Outcomes map[pgidem.Outcome]int64
+}
+
+// counts are the middleware's cumulative counts behind [Stats].
+type counts struct {
+	executed, replayed, snoozed, released, cancelled, errors, skipped, waited, jobIDKeys, failedOpen, recordNotCompleted atomic.Int64
+
+	mu       sync.Mutex
+	outcomes map[pgidem.Outcome]int64 // by pgidem's outcome; nil until the first
+}
+
+// outcomesCopy returns a copy of the counts by pgidem's outcome, nil when there are none.
+func (c *counts) outcomesCopy() map[pgidem.Outcome]int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.outcomes == nil {
+		return nil
+	}
+	return maps.Clone(c.outcomes)
 }
 
 // Stats returns the middleware's cumulative counts. Safe for concurrent use.
@@ -114,6 +140,7 @@ func (m *Middleware) Stats() Stats {
 		Skipped: c.skipped.Load(), Waited: c.waited.Load(), JobIDKeys: c.jobIDKeys.Load(),
 		FailedOpen:         c.failedOpen.Load(),
 		RecordNotCompleted: c.recordNotCompleted.Load(),
+		Outcomes:           c.outcomesCopy(),
 	}
 }
 
@@ -164,5 +191,13 @@ func (m *Middleware) record(out *Outcome) {
 	}
 	if out.RecordNotCompleted {
 		c.recordNotCompleted.Add(1)
+	}
+	if out.Action != ActionSkipped {
+		c.mu.Lock()
+		if c.outcomes == nil {
+			c.outcomes = map[pgidem.Outcome]int64{}
+		}
+		c.outcomes[out.Outcome]++
+		c.mu.Unlock()
 	}
 }

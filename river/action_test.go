@@ -1,85 +1,134 @@
-package pgidemriver
+package pgidemriver_test
+
+// The middleware's actions for the worker's own errors, against real Postgres; the
+// mapping itself is tested in action_internal_test.go.
 
 import (
+	"context"
+	"errors"
+	"fmt"
 	"testing"
+	"time"
 
+	"github.com/riverqueue/river"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/pgidem"
+	pgidemriver "github.com/pgidem/pgidem/river"
 )
 
-// The action table maps every pgidem outcome, with what the worker did, to one verdict.
-// The integration tests (middleware_test.go, lease_test.go, store_failure_test.go) hold
-// the same cases against real Postgres and River; this table holds the mapping itself.
-func TestDecide(t *testing.T) {
+// River's snooze and cancel errors from the worker pass through as the same value, and the
+// reservation is released.
+func TestSnoozeCancelPassThrough(t *testing.T) {
 	t.Parallel()
-	var (
-		succeeded = facts{started: true, succeeded: true}
-		failed    = facts{started: true, failed: true}
-		permanent = facts{started: true, failed: true, permanent: true}
-		control   = facts{started: true, failed: true, control: true}
-		cancelled = facts{started: true, failed: true, control: true, permanent: true} // river.JobCancel(pgidem.Permanent(e))
-		stalled   = facts{started: true, failed: true, stalled: true}
-		notBegun  = facts{failed: true}                 // fn returned as the budget ran out
-		timedOut  = facts{failed: true, timedOut: true} // the reservation step ran out of time
-	)
-	with := func(f facts, o pgidem.Outcome) facts { f.outcome = o; return f }
-	for _, tc := range []struct {
-		name string
-		in   facts
-		want verdict
-	}{
-		{"Replayed", facts{outcome: pgidem.OutcomeReplayed}, verdict{action: ActionReplayed, reply: replyReplay}},
-		{"WaitedReplayed", facts{outcome: pgidem.OutcomeWaitedReplayed}, verdict{action: ActionReplayed, reply: replyReplay}},
-		{"ReplayNotDecodable", facts{outcome: pgidem.OutcomeReplayed, failed: true}, verdict{action: ActionError, reply: replyWrapped}},
-		{"StoredFailure", facts{outcome: pgidem.OutcomeStoredFailure, failed: true}, verdict{action: ActionCancelled, reply: replyCancelReplayed}},
-		{"StoredOutputNotStorable", facts{outcome: pgidem.OutcomeStoredFailure, failed: true, notStorable: true},
-			verdict{action: ActionReplayed, reply: replyNil, outputNotStored: true}},
-		{"InProgress", facts{outcome: pgidem.OutcomeInProgress, failed: true}, verdict{action: ActionSnoozed, reply: replySnooze}},
-		{"InProgressAsBudgetEnds", facts{outcome: pgidem.OutcomeInProgress, failed: true, timedOut: true}, verdict{action: ActionSnoozed, reply: replySnooze}},
-
-		{"ExecutedSucceeded", with(succeeded, pgidem.OutcomeExecuted), verdict{action: ActionExecuted, reply: replyNil}},
-		{"TakenOverSucceeded", with(succeeded, pgidem.OutcomeTakenOver), verdict{action: ActionExecuted, reply: replyNil}},
-		{"FailOpenSucceeded", with(succeeded, pgidem.OutcomeFailOpen), verdict{action: ActionExecuted, reply: replyNil}},
-		{"ExecutedRecordNotCompleted", facts{outcome: pgidem.OutcomeExecuted, started: true, succeeded: true, failed: true},
-			verdict{action: ActionExecuted, reply: replyNil, recordNotCompleted: true}},
-		{"ExecutedWorkerError", with(failed, pgidem.OutcomeExecuted), verdict{action: ActionReleased, reply: replyError}},
-		{"TakenOverWorkerError", with(failed, pgidem.OutcomeTakenOver), verdict{action: ActionReleased, reply: replyError}},
-		{"FailOpenWorkerError", with(failed, pgidem.OutcomeFailOpen), verdict{action: ActionReleased, reply: replyError}},
-		{"ExecutedPermanent", with(permanent, pgidem.OutcomeExecuted), verdict{action: ActionCancelled, reply: replyCancel}},
-		{"FailOpenPermanent", with(permanent, pgidem.OutcomeFailOpen), verdict{action: ActionCancelled, reply: replyCancel}},
-		{"ExecutedWorkerSnoozeOrCancel", with(control, pgidem.OutcomeExecuted), verdict{action: ActionReleased, reply: replyError}},
-		{"ExecutedCancelPermanent", with(cancelled, pgidem.OutcomeExecuted), verdict{action: ActionCancelled, reply: replyError}},
-		{"ExecutedStalled", with(stalled, pgidem.OutcomeExecuted), verdict{action: ActionReleased, reply: replyStalled}},
-		{"ExecutedWorkerNotStarted", with(notBegun, pgidem.OutcomeExecuted), verdict{action: ActionError, reply: replyWrapped}},
-		{"ExecutedBudgetRanOut", with(timedOut, pgidem.OutcomeExecuted), verdict{action: ActionError, reply: replyTimeout}},
-
-		{"NotStoredOutput", facts{outcome: pgidem.OutcomeNotStored, started: true, succeeded: true, failed: true},
-			verdict{action: ActionExecuted, reply: replyNil, outputNotStored: true}},
-		{"NotStoredPermanent", with(permanent, pgidem.OutcomeNotStored),
-			verdict{action: ActionCancelled, reply: replyCancel, recordNotCompleted: true}},
-		{"NotStoredCancelPermanent", with(cancelled, pgidem.OutcomeNotStored),
-			verdict{action: ActionCancelled, reply: replyError, recordNotCompleted: true}},
-
-		{"LeaseLostSucceeded", facts{outcome: pgidem.OutcomeLeaseLost, started: true, succeeded: true, failed: true},
-			verdict{action: ActionError, reply: replyWrapped}},
-		{"LeaseLostPermanent", with(permanent, pgidem.OutcomeLeaseLost), verdict{action: ActionError, reply: replyWrapped}},
-		{"LeaseLostCancelPermanent", with(cancelled, pgidem.OutcomeLeaseLost), verdict{action: ActionError, reply: replyError}},
-		{"LeaseLostWorkerSnoozeOrCancel", with(control, pgidem.OutcomeLeaseLost), verdict{action: ActionReleased, reply: replyError}},
-		{"LeaseLostWorkerError", with(failed, pgidem.OutcomeLeaseLost), verdict{action: ActionError, reply: replyLeaseLost}},
-		{"LeaseLostStalledWorker", with(stalled, pgidem.OutcomeLeaseLost), verdict{action: ActionError, reply: replyLeaseLost}},
-		{"LeaseLostBudgetRanOut", with(timedOut, pgidem.OutcomeLeaseLost), verdict{action: ActionError, reply: replyTimeout}},
-
-		{"Invalid", facts{outcome: pgidem.OutcomeInvalid, failed: true}, verdict{action: ActionError, reply: replyWrapped}},
-		{"FingerprintMismatch", facts{outcome: pgidem.OutcomeFingerprintMismatch, failed: true}, verdict{action: ActionError, reply: replyWrapped}},
-		{"StoreError", facts{outcome: pgidem.OutcomeStoreError, failed: true}, verdict{action: ActionError, reply: replyWrapped}},
-		{"None", facts{outcome: pgidem.OutcomeNone, failed: true}, verdict{action: ActionError, reply: replyWrapped}},
-		{"NoneBudgetRanOut", with(timedOut, pgidem.OutcomeNone), verdict{action: ActionError, reply: replyTimeout}},
-		{"StoreErrorBudgetRanOut", with(timedOut, pgidem.OutcomeStoreError), verdict{action: ActionError, reply: replyTimeout}},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			t.Parallel()
-			require.Equal(t, tc.want, decide(tc.in))
-		})
+	b := setup(t)
+	mw, _ := b.invoiceMiddleware(t, nil)
+	for i, werr := range []error{river.JobSnooze(time.Hour), river.JobCancel(fmt.Errorf("stop"))} {
+		err := mw.Work(b.ctx, jobRow(int64(i+1), "mail.invoice", fmt.Sprintf(`{"order_id":%d}`, i+1)),
+			func(context.Context) error { return werr })
+		require.Same(t, werr, err)
+		_, err = b.coord.Lookup(b.ctx, "mail.invoice", fmt.Sprintf("order-%d.invoice", i+1))
+		require.ErrorIs(t, err, pgidem.ErrNotFound, "released")
 	}
+	require.EqualValues(t, 2, mw.Stats().Released)
+}
+
+// A worker that wraps a permanent failure in its own river.JobCancel: the failure is stored
+// (a later job with the key replays it) and the outcome says cancelled, not released.
+func TestJobCancelWrappingPermanent(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.invoiceMiddleware(t, nil)
+	declined := errors.New("declined")
+	err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":3}`), func(context.Context) error {
+		return river.JobCancel(pgidem.Permanent(declined))
+	})
+	var cancel *river.JobCancelError
+	require.ErrorAs(t, err, &cancel)
+	require.ErrorIs(t, err, declined)
+	outs.waitFor(t, pgidemriver.ActionCancelled)
+	require.EqualValues(t, 1, mw.Stats().Cancelled)
+	require.Zero(t, mw.Stats().Released)
+	rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-3.invoice")
+	require.NoError(t, err)
+	require.Equal(t, pgidem.StatusFailed, rec.Status)
+
+	// A later job with the key replays the failure, cancelled too, and its error says it
+	// replayed, so River's errors column tells it from the first job's.
+	err = mw.Work(b.ctx, jobRow(2, "mail.invoice", `{"order_id":3}`), func(context.Context) error {
+		t.Error("the worker ran on a replay")
+		return nil
+	})
+	require.ErrorAs(t, err, &cancel)
+	require.ErrorIs(t, err, pgidem.ErrPermanent)
+	require.ErrorContains(t, err, "replayed the failure an earlier execution stored for mail.invoice/order-3.invoice: declined")
+}
+
+// The worker's own error may carry pgidem's errors from calls of its own (a nested Do that
+// lost its lease, a WorkTx whose failure was not stored); they say nothing about the
+// middleware's record. A permanent failure the middleware stored cancels the job and is
+// not flagged RecordNotCompleted; nor is it retried as a lost lease.
+func TestWorkerErrorCarryingPgidemErrors(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.invoiceMiddleware(t, nil)
+	declined := errors.New("declined")
+	storeErr := &pgidem.StoreError{Op: "complete", Err: errors.New("injected")}
+	for i, werr := range []error{
+		pgidem.Permanent(fmt.Errorf("sub-effect: %w", pgidem.ErrLeaseLost)),
+		pgidem.Permanent(fmt.Errorf("sub-effect: %w", storeErr)),
+		river.JobCancel(&pgidem.FailureNotStoredError{Err: pgidem.Permanent(declined), Cause: storeErr}),
+		&pgidem.FailureNotStoredError{Err: pgidem.Permanent(declined), Cause: fmt.Errorf("nested: %w", pgidem.ErrLeaseLost)},
+	} {
+		order := 20 + i
+		err := mw.Work(b.ctx, jobRow(int64(order), "mail.invoice", fmt.Sprintf(`{"order_id":%d}`, order)),
+			func(context.Context) error { return werr })
+		var cancel *river.JobCancelError
+		require.ErrorAs(t, err, &cancel, "case %d: a stored permanent failure cancels the job", i)
+		out := outs.waitFor(t, pgidemriver.ActionCancelled)
+		require.False(t, out.RecordNotCompleted, "case %d", i)
+		rec, err := b.coord.Lookup(b.ctx, "mail.invoice", fmt.Sprintf("order-%d.invoice", order))
+		require.NoError(t, err)
+		require.Equal(t, pgidem.StatusFailed, rec.Status, "case %d", i)
+	}
+}
+
+// A plain worker error that wraps a nested call's ErrLeaseLost is the worker's failure:
+// the middleware's reservation is released and the error returned unchanged, not taken
+// for the middleware's own lost lease (ActionError, wrapped).
+func TestWorkerErrorWrappingLeaseLostReleases(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.invoiceMiddleware(t, nil)
+	werr := fmt.Errorf("sub-effect order-5.sms: %w", pgidem.ErrLeaseLost)
+	err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":5}`), func(context.Context) error { return werr })
+	require.Equal(t, werr, err, "the worker's error, unchanged")
+	outs.waitFor(t, pgidemriver.ActionReleased)
+	_, err = b.coord.Lookup(b.ctx, "mail.invoice", "order-5.invoice")
+	require.ErrorIs(t, err, pgidem.ErrNotFound, "released")
+}
+
+// A worker error that matches pgidem.ErrPermanent only through a failure a nested pgidem
+// call replayed carries no pgidem.Permanent error: pgidem released the record, so the job
+// is not cancelled as if the failure were stored (a plain error is retried; the worker's
+// own JobCancel passes through as a release). Neither is reported cancelled, and the
+// plain error is not turned into a JobCancel.
+func TestWorkerErrorCarryingReplayedFailureReleases(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.invoiceMiddleware(t, nil)
+	replayed := &pgidem.StoredFailureError{Namespace: "geocode", Key: "street-9", Message: "no such street"}
+	for i, werr := range []error{
+		fmt.Errorf("geocode the address: %w", replayed),
+		river.JobCancel(replayed),
+	} {
+		order := 40 + i
+		err := mw.Work(b.ctx, jobRow(int64(order), "mail.invoice", fmt.Sprintf(`{"order_id":%d}`, order)),
+			func(context.Context) error { return werr })
+		require.Equal(t, werr, err, "case %d: the worker's error, unchanged", i)
+		outs.waitFor(t, pgidemriver.ActionReleased)
+		_, err = b.coord.Lookup(b.ctx, "mail.invoice", fmt.Sprintf("order-%d.invoice", order))
+		require.ErrorIs(t, err, pgidem.ErrNotFound, "case %d: released", i)
+	}
+	require.Zero(t, mw.Stats().Cancelled)
 }

@@ -84,6 +84,29 @@
 // store then fails to complete its record (logged at error, [Outcome.RecordNotCompleted]):
 // the effect ran, and retrying the job would run it again once the lease ends.
 //
+// # Outcomes
+//
+// Each execution ends in pgidem's outcome of the job's call ([pgidem.Result.Outcome]), and
+// one table maps it, with what the worker returned, to River's answer and the
+// middleware's [Action]:
+//
+//   - executed, taken_over, fail_open: the worker ran. nil when it succeeded
+//     ([ActionExecuted], also when the record could not be completed); its error
+//     otherwise ([ActionReleased]), or river.JobCancel for a [pgidem.Permanent] one
+//     ([ActionCancelled]).
+//   - replayed, waited_replayed: nil, with the first run's output ([ActionReplayed]).
+//   - stored_failure: river.JobCancel ([ActionCancelled]); nil for an effect whose output
+//     alone could not be stored.
+//   - in_progress: river.JobSnooze ([ActionSnoozed]).
+//   - not_stored: nil when only the output could not be stored; river.JobCancel for a
+//     permanent failure that could not be ([Outcome.RecordNotCompleted]).
+//   - lease_lost: an error matching [pgidem.ErrLeaseLost] ([ActionError]); River's retry
+//     replays or waits for the new holder's outcome.
+//   - invalid_key, fingerprint_mismatch, store_error, or none: an error ([ActionError]).
+//
+// [Outcome.Outcome] and [Stats.Outcomes] carry pgidem's outcome as it is, so the River
+// adapter's metrics and pgidem's events read the same.
+//
 // # Database effects: WorkTx
 //
 // When the effect is rows in the same database, [WorkTx] writes the rows, the pgidem

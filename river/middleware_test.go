@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"math"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -74,6 +76,7 @@ func TestRescuerDuplicate(t *testing.T) {
 				snoozed := outs.waitFor(t, pgidemriver.ActionSnoozed)
 				require.Equal(t, id, snoozed.Job.ID)
 				require.Positive(t, snoozed.Snooze)
+				require.Equal(t, pgidem.OutcomeInProgress, snoozed.Outcome)
 				// Release the first run only once River has written the snooze, so the
 				// first run's completion finds the job no longer running and the next
 				// delivery is the one that completes it, by replaying.
@@ -87,6 +90,11 @@ func TestRescuerDuplicate(t *testing.T) {
 			replayed := outs.waitFor(t, pgidemriver.ActionReplayed)
 			require.Equal(t, id, replayed.Job.ID)
 			require.Equal(t, tc.policy == pgidem.InFlightWait, replayed.Waited)
+			wantReplay := pgidem.OutcomeReplayed
+			if tc.policy == pgidem.InFlightWait {
+				wantReplay = pgidem.OutcomeWaitedReplayed
+			}
+			require.Equal(t, wantReplay, replayed.Outcome, "the action says replayed; pgidem's outcome says how")
 
 			require.EqualValues(t, 1, runs.Load(), "the worker body ran once")
 			require.Equal(t, 1, b.effects(t), "the effect ran once")
@@ -98,6 +106,8 @@ func TestRescuerDuplicate(t *testing.T) {
 				}
 			}
 			require.NotNil(t, executed)
+			require.Equal(t, pgidem.OutcomeExecuted, executed.Outcome)
+			require.EqualValues(t, 1, mw.Stats().Outcomes[pgidem.OutcomeExecuted], "Stats count by pgidem's outcome too")
 			require.JSONEq(t, string(executed.Output), string(replayed.Output), "the duplicate returns the first run's receipt")
 			require.JSONEq(t, string(executed.Output), string(job.Output()))
 			rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-9.invoice")
@@ -185,6 +195,7 @@ func TestFailingWorkerReleases(t *testing.T) {
 	require.Equal(t, errSMTP.Error(), job.Errors[0].Error, "the worker's error reaches River unchanged")
 	released := outs.waitFor(t, pgidemriver.ActionReleased)
 	require.Same(t, errSMTP, released.Err)
+	require.Equal(t, pgidem.OutcomeExecuted, released.Outcome, "pgidem ran fn and released the record after its error")
 	require.Equal(t, 1, b.effects(t))
 	rec, err := b.coord.Lookup(b.ctx, "mail.invoice", "order-9.invoice")
 	require.NoError(t, err)
@@ -225,7 +236,8 @@ func TestSnoozeKeepsAttempts(t *testing.T) {
 	<-holding
 
 	id := b.insert(t, InvoiceArgs{OrderID: 9}, nil)
-	outs.waitFor(t, pgidemriver.ActionSnoozed)
+	snoozed := outs.waitFor(t, pgidemriver.ActionSnoozed)
+	require.Equal(t, pgidem.OutcomeInProgress, snoozed.Outcome)
 	parked := b.waitJob(t, id, rivertype.JobStateAvailable, rivertype.JobStateScheduled)
 	require.Equal(t, 0, parked.Attempt, "a snooze gives the attempt back")
 	require.Empty(t, parked.Errors)
@@ -244,20 +256,170 @@ func TestSnoozeKeepsAttempts(t *testing.T) {
 	require.JSONEq(t, `"em_elsewhere"`, string(job.Output()))
 }
 
-// TestInvalidKey: an unstorable key fails the job loudly and never runs the worker.
-func TestInvalidKey(t *testing.T) {
+// Wait is bounded by WaitTimeout; then the job snoozes for the holder's remaining lease,
+// clamped to SnoozeMax (a huge lease gives SnoozeMax, positive), and the worker does not run.
+func TestWaitBoundedThenSnooze(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	mw, outs := b.newMiddleware(t, nil)
-	workers := river.NewWorkers()
-	pgidemriver.AddWorker(workers, mw, &effectWorker[InvoiceArgs]{pool: b.db.Pool})
-	b.startClient(t, riverConfig(t, workers, mw))
+	mw, outs := b.invoiceMiddleware(t, &pgidemriver.Config{InFlight: pgidem.InFlightWait, WaitTimeout: 200 * time.Millisecond})
+	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts,
+		lease_expires_at, expires_at) VALUES ('mail.invoice', 'order-5.invoice', 'in_progress', gen_random_uuid(), 1,
+		now() + interval '10 years', now() + interval '10 years')`)
+	require.NoError(t, err)
 
-	id := b.insert(t, InvoiceArgs{OrderID: 9, NULKey: true}, &river.InsertOpts{MaxAttempts: 1})
-	job := b.waitJob(t, id, rivertype.JobStateDiscarded)
-	require.Len(t, job.Errors, 1)
-	require.Contains(t, job.Errors[0].Error, "invalid idempotency key")
-	out := outs.waitFor(t, pgidemriver.ActionError)
-	require.ErrorIs(t, out.Err, pgidem.ErrInvalidKey)
-	require.Equal(t, 0, b.effects(t))
+	var ran atomic.Bool
+	err = mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":5}`), func(context.Context) error { ran.Store(true); return nil })
+	var snooze *rivertype.JobSnoozeError
+	require.ErrorAs(t, err, &snooze)
+	require.Equal(t, pgidemriver.SnoozeMaxDefault, snooze.Duration)
+	require.False(t, ran.Load())
+	out := outs.list()
+	require.Len(t, out, 1)
+	require.True(t, out[0].Waited)
+	require.Equal(t, pgidemriver.ActionSnoozed, out[0].Action)
+}
+
+// The middleware registered twice around one job (globally and on the worker) runs the
+// worker once: the inner registration sees the outer reservation for the job and passes
+// straight through, and only the outer one reports.
+func TestDoubleRegistrationRunsOnce(t *testing.T) {
+	t.Parallel()
+
+	t.Run("Direct", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		mw, outs := b.invoiceMiddleware(t, nil)
+		job := jobRow(1, "mail.invoice", `{"order_id":3}`)
+
+		var runs atomic.Int32
+		worker := func(ctx context.Context) error {
+			_, key, ok := pgidem.KeyFromContext(ctx)
+			require.True(t, ok)
+			require.Equal(t, "order-3.invoice", key)
+			runs.Add(1)
+			return nil
+		}
+		err := mw.Work(b.ctx, job, func(ctx context.Context) error { return mw.Work(ctx, job, worker) })
+		require.NoError(t, err)
+		require.EqualValues(t, 1, runs.Load(), "the worker must run once, not be snoozed by its own reservation")
+		out := outs.list()
+		require.Len(t, out, 1, "only the outer registration reports")
+		require.Equal(t, pgidemriver.ActionExecuted, out[0].Action)
+		require.EqualValues(t, 1, mw.Stats().Executed)
+
+		// Another job with the same key under the outer reservation is not passed through.
+		other := jobRow(2, "mail.invoice", `{"order_id":3}`)
+		err = mw.Work(b.ctx, jobRow(3, "mail.invoice", `{"order_id":30}`), func(ctx context.Context) error {
+			return mw.Work(ctx, other, worker)
+		})
+		require.NoError(t, err, "the inner job replays order-3")
+		require.EqualValues(t, 1, runs.Load())
+	})
+
+	t.Run("RiverClient", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		mw, outs := b.newMiddleware(t, nil)
+		workers := river.NewWorkers()
+		pgidemriver.AddWorker(workers, mw, &selfMiddlewareWorker{effectWorker: &effectWorker[InvoiceArgs]{pool: b.db.Pool}, mw: mw})
+		b.startClient(t, riverConfig(t, workers, mw))
+
+		id := b.insert(t, InvoiceArgs{OrderID: 11}, nil)
+		b.waitJob(t, id, rivertype.JobStateCompleted)
+		require.Equal(t, 1, b.effects(t))
+		out := outs.list()
+		require.Len(t, out, 1)
+		require.Equal(t, pgidemriver.ActionExecuted, out[0].Action)
+	})
+
+	t.Run("ExcludedKind", func(t *testing.T) {
+		// A skipped kind is reported once too, by the outer registration.
+		t.Parallel()
+		b := setup(t)
+		mw, outs := b.newMiddleware(t, &pgidemriver.Config{ExcludeKinds: []string{"mail.invoice"}})
+		job := jobRow(1, "mail.invoice", `{"order_id":3}`)
+		var runs atomic.Int32
+		err := mw.Work(b.ctx, job, func(ctx context.Context) error {
+			return mw.Work(ctx, job, func(context.Context) error { runs.Add(1); return nil })
+		})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, runs.Load())
+		out := outs.list()
+		require.Len(t, out, 1, "only the outer registration reports")
+		require.Equal(t, pgidemriver.ActionSkipped, out[0].Action)
+		require.EqualValues(t, 1, mw.Stats().Skipped)
+	})
+}
+
+// selfMiddlewareWorker also returns the middleware from its Middleware method.
+type selfMiddlewareWorker struct {
+	*effectWorker[InvoiceArgs]
+	mw *pgidemriver.Middleware
+}
+
+func (w *selfMiddlewareWorker) Middleware(*rivertype.JobRow) []rivertype.WorkerMiddleware {
+	return []rivertype.WorkerMiddleware{w.mw}
+}
+
+// The worker's context is cancelled by the job's context (River's JobTimeout, a client
+// stopping), also after the reservation step's budget has passed.
+func TestJobContextCancelsWorkerPastSQLTimeout(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, _ := b.invoiceMiddleware(t, &pgidemriver.Config{SQLTimeout: 200 * time.Millisecond})
+
+	jobCtx, cancel := context.WithCancelCause(b.ctx)
+	defer cancel(nil)
+	stop := fmt.Errorf("client stopping")
+	err := mw.Work(jobCtx, jobRow(1, "mail.invoice", `{"order_id":8}`), func(ctx context.Context) error {
+		time.Sleep(400 * time.Millisecond)
+		require.NoError(t, ctx.Err())
+		cancel(stop)
+		<-ctx.Done()
+		return context.Cause(ctx)
+	})
+	require.ErrorIs(t, err, stop)
+	_, err = b.coord.Lookup(b.ctx, "mail.invoice", "order-8.invoice")
+	require.ErrorIs(t, err, pgidem.ErrNotFound, "released")
+}
+
+// A reservation step that exceeds Config.SQLTimeout fails the job with an error naming the
+// field and matching context.DeadlineExceeded; the worker does not run and no reservation
+// is left behind.
+func TestSQLTimeoutBoundsReservation(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mw, outs := b.invoiceMiddleware(t, &pgidemriver.Config{SQLTimeout: time.Nanosecond})
+
+	var ran atomic.Bool
+	err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":4}`), func(context.Context) error { ran.Store(true); return nil })
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.ErrorContains(t, err, "Config.SQLTimeout")
+	require.False(t, ran.Load())
+	require.Equal(t, pgidemriver.ActionError, outs.list()[0].Action)
+	var n int
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pgidem_record`).Scan(&n))
+	require.Zero(t, n)
+}
+
+// A huge WaitTimeout or SQLTimeout ("as long as it takes") under InFlightWait does not
+// wrap the reservation budget negative (a timer that fired at once would never start a
+// worker): the budget saturates.
+func TestHugeTimeoutsUnderWait(t *testing.T) {
+	t.Parallel()
+	for name, cfg := range map[string]pgidemriver.Config{
+		"WaitTimeout": {InFlight: pgidem.InFlightWait, WaitTimeout: math.MaxInt64},
+		"SQLTimeout":  {InFlight: pgidem.InFlightWait, SQLTimeout: math.MaxInt64},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			mw, _ := b.invoiceMiddleware(t, &cfg)
+			ran := false
+			err := mw.Work(b.ctx, jobRow(1, "mail.invoice", `{"order_id":1}`), func(context.Context) error { ran = true; return nil })
+			require.NoError(t, err)
+			require.True(t, ran)
+			require.EqualValues(t, 1, mw.Stats().Executed)
+		})
+	}
 }

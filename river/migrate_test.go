@@ -3,12 +3,16 @@ package pgidemriver_test
 import (
 	"context"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivermigrate"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgidem/pgidem/internal/testdb"
 	"github.com/pgidem/pgidem/pgidem"
 	pgidemriver "github.com/pgidem/pgidem/river"
 )
@@ -153,8 +157,7 @@ func TestMigrateRiverCreatesSchema(t *testing.T) {
 
 // Another session creating the same schema at the same moment (pgidem's migrations.Up
 // creates schemas under a lock of its own): MigrateRiver's CREATE SCHEMA IF NOT EXISTS
-// waits for it and then fails with a unique violation, which it takes as "exists". It
-// used to fail.
+// waits for it and then fails with a unique violation, which it takes as "exists".
 func TestMigrateRiverSchemaCreatedMeanwhile(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -178,4 +181,46 @@ func TestMigrateRiverSchemaCreatedMeanwhile(t *testing.T) {
 	}, waitCap, pollInterval)
 	require.NoError(t, other.Commit(b.ctx))
 	require.NoError(t, <-done)
+}
+
+// TestMigrateRiverConcurrent: four deploys migrating River at once all succeed, and each
+// migration is applied once.
+func TestMigrateRiverConcurrent(t *testing.T) {
+	t.Parallel()
+	db := testdb.NewUnmigrated(t)
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	applied := make([]int, 4)
+	for i := range errs {
+		wg.Go(func() {
+			// A pool of its own per "deploy", like separate processes.
+			pool, err := pgxpool.New(ctx, db.URL)
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			defer pool.Close()
+			res, err := pgidemriver.MigrateRiver(ctx, pool, nil)
+			errs[i] = err
+			if res != nil {
+				applied[i] = len(res.Versions)
+			}
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		require.NoError(t, err, "deploy %d", i)
+	}
+	migrator, err := rivermigrate.New(riverpgxv5.New(db.Pool), nil)
+	require.NoError(t, err)
+	all := len(migrator.AllVersions())
+	total := 0
+	for _, n := range applied {
+		total += n
+	}
+	require.Equal(t, all, total, "every migration applied by exactly one deploy")
+	existing, err := migrator.ExistingVersions(ctx)
+	require.NoError(t, err)
+	require.Len(t, existing, all)
 }

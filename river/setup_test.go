@@ -3,6 +3,7 @@ package pgidemriver_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -324,4 +325,64 @@ func (b *syncBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
+}
+
+func jobRow(id int64, kind, args string) *rivertype.JobRow {
+	return &rivertype.JobRow{ID: id, Kind: kind, EncodedArgs: []byte(args), Attempt: 1, State: rivertype.JobStateRunning}
+}
+
+// failCompletions makes every completing write of a record fail, as a store outage that
+// outlasts the finishing write's retries would.
+// failCompletions makes every write that completes or fails a record fail, until the time
+// in the one-row table outage (default: forever).
+func failCompletions(t *testing.T, b *bundle) {
+	t.Helper()
+	_, err := b.db.Pool.Exec(b.ctx, `
+CREATE TABLE outage (until timestamptz NOT NULL);
+INSERT INTO outage VALUES ('infinity');
+CREATE FUNCTION fail_completion() RETURNS trigger LANGUAGE plpgsql AS
+	$$BEGIN IF clock_timestamp() < (SELECT until FROM outage) THEN RAISE EXCEPTION 'injected outage'; END IF; RETURN NEW; END$$;
+CREATE TRIGGER fail_completion BEFORE UPDATE ON pgidem_record
+	FOR EACH ROW WHEN (NEW.status <> 'in_progress') EXECUTE FUNCTION fail_completion()`)
+	require.NoError(t, err)
+}
+
+// workUntilCancelled works a mail.invoice job for orderID whose worker waits for its
+// context to end and returns its error. running closes when the worker starts, cancelled
+// when its context ended; errCh receives Work's error.
+func workUntilCancelled(b *bundle, mw *pgidemriver.Middleware, orderID int) (running, cancelled chan struct{}, errCh chan error) {
+	running, cancelled, errCh = make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	go func() {
+		errCh <- mw.Work(b.ctx, jobRow(1, "mail.invoice", fmt.Sprintf(`{"order_id":%d}`, orderID)), func(ctx context.Context) error {
+			close(running)
+			defer close(cancelled)
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(15 * testLease): // failure cap, not a timing assertion
+				return errors.New("never cancelled")
+			}
+		})
+	}()
+	return running, cancelled, errCh
+}
+
+// offlineMiddleware returns a middleware whose coordinator's pool never connects (creating
+// a coordinator, a middleware or a client, registering and CheckTTL do not touch the
+// database), logging to the returned buffer.
+func offlineMiddleware(t *testing.T, configure ...func(*pgidemriver.Config)) (*pgidemriver.Middleware, *bytes.Buffer, *pgxpool.Pool) {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), "postgres://127.0.0.1:1/none")
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	coord, err := pgidem.NewCoordinator(pool, nil)
+	require.NoError(t, err)
+	var logs bytes.Buffer
+	cfg := &pgidemriver.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+	for _, f := range configure {
+		f(cfg)
+	}
+	mw, err := pgidemriver.NewMiddleware(coord, cfg)
+	require.NoError(t, err)
+	return mw, &logs, pool
 }

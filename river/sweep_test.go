@@ -5,19 +5,15 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
-	"github.com/riverqueue/river/rivermigrate"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pgidem/pgidem/internal/testdb"
 	"github.com/pgidem/pgidem/pgidem"
 	pgidemriver "github.com/pgidem/pgidem/river"
 )
@@ -101,52 +97,10 @@ func (b *bundle) waitKind(t *testing.T, kind string, n int) []*rivertype.JobRow 
 	}
 }
 
-// TestMigrateRiverConcurrent: four deploys migrating River at once all succeed, and each
-// migration is applied once.
-func TestMigrateRiverConcurrent(t *testing.T) {
-	t.Parallel()
-	db := testdb.NewUnmigrated(t)
-	ctx := context.Background()
-	var wg sync.WaitGroup
-	errs := make([]error, 4)
-	applied := make([]int, 4)
-	for i := range errs {
-		wg.Go(func() {
-			// A pool of its own per "deploy", like separate processes.
-			pool, err := pgxpool.New(ctx, db.URL)
-			if err != nil {
-				errs[i] = err
-				return
-			}
-			defer pool.Close()
-			res, err := pgidemriver.MigrateRiver(ctx, pool, nil)
-			errs[i] = err
-			if res != nil {
-				applied[i] = len(res.Versions)
-			}
-		})
-	}
-	wg.Wait()
-	for i, err := range errs {
-		require.NoError(t, err, "deploy %d", i)
-	}
-	migrator, err := rivermigrate.New(riverpgxv5.New(db.Pool), nil)
-	require.NoError(t, err)
-	all := len(migrator.AllVersions())
-	total := 0
-	for _, n := range applied {
-		total += n
-	}
-	require.Equal(t, all, total, "every migration applied by exactly one deploy")
-	existing, err := migrator.ExistingVersions(ctx)
-	require.NoError(t, err)
-	require.Len(t, existing, all)
-}
-
 // Invalid sweep settings are refused with an error naming the field, before a client
-// starts: a periodic interval under one second used to be accepted, and River then refused
-// every insert of the sweep (its shortest unique period is one second), logging an error
-// each period — continuously for a negative interval — without ever sweeping.
+// starts: River would refuse every insert of a sweep with a periodic interval under one
+// second (its shortest unique period is one second), logging an error each period —
+// continuously for a negative interval — without ever sweeping.
 func TestSweepSettingsValidated(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -224,4 +178,30 @@ func TestSweepTimeoutBeforeFirstBatchWarns(t *testing.T) {
 	require.NoError(t, newSweeper(&logs).Work(b.ctx, job))
 	require.NotContains(t, logs.String(), "before its first batch finished")
 	require.Contains(t, logs.String(), "records=10")
+}
+
+// The sweep job deletes expired inbox rows as well as records (TestSweeper checks the
+// records), and keeps live ones.
+func TestSweepWorkerSweepsInbox(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_inbox (consumer, message_id, received_at, expires_at)
+		SELECT 'orders', 'old-' || i, now() - interval '8 days', now() - interval '1 day' FROM generate_series(1, 250) i
+		UNION ALL
+		SELECT 'orders', 'live-' || i, now(), now() + interval '7 days' FROM generate_series(1, 5) i`)
+	require.NoError(t, err)
+	sweeper, err := pgidemriver.NewSweepWorker(b.coord, &pgidemriver.SweepConfig{BatchSize: 100, Pause: -1})
+	require.NoError(t, err)
+	workers := river.NewWorkers()
+	river.AddWorker(workers, sweeper)
+	client := b.startClient(t, riverConfig(t, workers))
+	res, err := client.Insert(b.ctx, pgidemriver.SweepArgs{}, nil)
+	require.NoError(t, err)
+	job := b.waitJob(t, res.Job.ID, rivertype.JobStateCompleted)
+	var out pgidem.SweepResult
+	require.NoError(t, json.Unmarshal(job.Output(), &out))
+	require.EqualValues(t, 250, out.Inbox)
+	var left int
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pgidem_inbox`).Scan(&left))
+	require.Equal(t, 5, left)
 }

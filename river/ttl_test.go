@@ -1,18 +1,13 @@
 package pgidemriver_test
 
 import (
-	"bytes"
 	"context"
-	"fmt"
-	"log/slog"
 	"math"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
-	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/stretchr/testify/require"
 
@@ -23,16 +18,21 @@ import (
 // WeeklyArgs keep their records for a week and retry three times.
 type WeeklyArgs struct{}
 
-func (WeeklyArgs) Kind() string                  { return "report.weekly" }
-func (WeeklyArgs) IdempotencyKey() string        { return "week" }
+func (WeeklyArgs) Kind() string { return "report.weekly" }
+
+func (WeeklyArgs) IdempotencyKey() string { return "week" }
+
 func (WeeklyArgs) IdempotencyTTL() time.Duration { return 7 * 24 * time.Hour }
-func (WeeklyArgs) InsertOpts() river.InsertOpts  { return river.InsertOpts{MaxAttempts: 3} }
+
+func (WeeklyArgs) InsertOpts() river.InsertOpts { return river.InsertOpts{MaxAttempts: 3} }
 
 // ShortTTLArgs ask for a TTL the coordinator refuses (below its one-minute MinTTL).
 type ShortTTLArgs struct{}
 
-func (ShortTTLArgs) Kind() string                  { return "report.short" }
-func (ShortTTLArgs) IdempotencyKey() string        { return "short" }
+func (ShortTTLArgs) Kind() string { return "report.short" }
+
+func (ShortTTLArgs) IdempotencyKey() string { return "short" }
+
 func (ShortTTLArgs) IdempotencyTTL() time.Duration { return 30 * time.Second }
 
 type constantPolicy time.Duration
@@ -142,106 +142,4 @@ func TestRetryHorizonHugeMaxAttempts(t *testing.T) {
 	// River replaces a retry time in the past with its default policy's.
 	require.Equal(t, pgidemriver.RetryHorizon(nil, 25), pgidemriver.RetryHorizon(constantPolicy(-time.Second), 25))
 	require.Equal(t, pgidemriver.HorizonInfinite, pgidemriver.RetryHorizon(constantPolicy(-time.Second), math.MaxInt))
-}
-
-// offlineMiddleware returns a middleware whose coordinator's pool never connects (creating
-// a coordinator, a middleware or a client, registering and CheckTTL do not touch the
-// database), logging to the returned buffer.
-func offlineMiddleware(t *testing.T, configure ...func(*pgidemriver.Config)) (*pgidemriver.Middleware, *bytes.Buffer, *pgxpool.Pool) {
-	t.Helper()
-	pool, err := pgxpool.New(context.Background(), "postgres://127.0.0.1:1/none")
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	coord, err := pgidem.NewCoordinator(pool, nil)
-	require.NoError(t, err)
-	var logs bytes.Buffer
-	cfg := &pgidemriver.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))}
-	for _, f := range configure {
-		f(cfg)
-	}
-	mw, err := pgidemriver.NewMiddleware(coord, cfg)
-	require.NoError(t, err)
-	return mw, &logs, pool
-}
-
-func TestNewClientChecksTTL(t *testing.T) {
-	t.Parallel()
-	mw, logs, pool := offlineMiddleware(t)
-	mw.Register(InvoiceArgs{})
-
-	client, err := pgidemriver.NewClient(riverpgxv5.New(pool), &river.Config{Middleware: []rivertype.Middleware{mw}})
-	require.NoError(t, err)
-	require.NotNil(t, client)
-	require.Contains(t, logs.String(), "record TTL is shorter than River's redelivery horizon")
-	require.Contains(t, logs.String(), "job_kind=mail.invoice")
-
-	// Installed as a plugin (River's preferred field) or through the deprecated
-	// WorkerMiddleware: checked too, once each even when listed twice. It used to be
-	// checked only in Middleware.
-	for _, config := range []*river.Config{
-		{Plugins: []rivertype.Plugin{mw, mw}},
-		{WorkerMiddleware: []rivertype.WorkerMiddleware{mw}}, // the deprecated field, on purpose
-	} {
-		logs.Reset()
-		_, err := pgidemriver.NewClient(riverpgxv5.New(pool), config)
-		require.NoError(t, err)
-		require.Equal(t, 1, strings.Count(logs.String(), "job_kind=mail.invoice"), logs.String())
-	}
-}
-
-// Register says at once when a kind's TTLArgs TTL is one the coordinator refuses, rather
-// than leaving every job of the kind to fail; it panics with a clear message on nil args.
-func TestRegisterRefusedTTL(t *testing.T) {
-	t.Parallel()
-	mw, logs, _ := offlineMiddleware(t)
-	mw.Register(WeeklyArgs{})
-	require.Empty(t, logs.String())
-	mw.Register(ShortTTLArgs{})
-	require.Contains(t, logs.String(), "level=ERROR")
-	require.Contains(t, logs.String(), "job_kind=report.short")
-	require.PanicsWithValue(t, "pgidemriver: Register: nil job args", func() { mw.Register(nil) })
-}
-
-// longKind is a kind River accepts but longer than a pgidem namespace (64 bytes).
-const longKind = "billing.invoices.monthly_statement_for_enterprise_customers_with_addenda"
-
-type LongKindArgs struct{}
-
-func (LongKindArgs) Kind() string           { return longKind }
-func (LongKindArgs) IdempotencyKey() string { return "k" }
-
-type LongKindNamedArgs struct{ LongKindArgs }
-
-func (LongKindNamedArgs) Kind() string                 { return longKind + ".named" }
-func (LongKindNamedArgs) IdempotencyNamespace() string { return "billing.statements" }
-
-// A registered kind too long to be its own namespace is logged at error when registered:
-// every job of it would fail before its worker runs. Not when the args name their
-// namespace.
-func TestRegisterKindTooLongForNamespace(t *testing.T) {
-	t.Parallel()
-	require.Greater(t, len(longKind), pgidem.MaxNamespaceBytesDefault)
-	mw, logs, _ := offlineMiddleware(t)
-	mw.Register(LongKindNamedArgs{})
-	require.Empty(t, logs.String())
-	mw.Register(LongKindArgs{})
-	require.Contains(t, logs.String(), "level=ERROR")
-	require.Contains(t, logs.String(), "job_kind="+longKind)
-}
-
-type LongKindUnkeyedArgs struct{}
-
-func (LongKindUnkeyedArgs) Kind() string { return longKind + ".unkeyed" }
-
-// Args without a key method take their namespace from Config.KeyFunc when it is set, so a
-// long kind is no error there.
-func TestRegisterLongKindWithKeyFunc(t *testing.T) {
-	t.Parallel()
-	mw, logs, _ := offlineMiddleware(t, func(cfg *pgidemriver.Config) {
-		cfg.KeyFunc = func(job *rivertype.JobRow) (string, string, bool) { return "statements", fmt.Sprint(job.ID), true }
-	})
-	mw.Register(LongKindUnkeyedArgs{})
-	require.Empty(t, logs.String())
-	mw.Register(LongKindArgs{}) // keyed: the kind is its namespace whatever KeyFunc says
-	require.Contains(t, logs.String(), "level=ERROR")
 }

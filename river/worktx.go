@@ -126,9 +126,8 @@ func ShouldCommit(err error) bool {
 }
 
 // workTx is WorkTxResult; freshFailure reports that fn's permanent failure was written in
-// tx just now (so committing tx keeps it), told from a replayed one (Result.Replayed) and
-// one that could not be stored (pgidem's top-level *FailureNotStoredError) by pgidem's
-// own answers, never by what fn's error may wrap.
+// tx just now (so committing tx keeps it), told from a replayed one and one that could not
+// be stored by pgidem's outcome, never by what fn's error may wrap.
 func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, tx pgx.Tx, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (res pgidem.Result[T], freshFailure bool, err error) {
 	if c == nil || tx == nil || job == nil {
 		return res, false, invalid("WorkTx: coordinator, transaction and job must not be nil")
@@ -141,46 +140,10 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 		fnErr = err
 		return v, err
 	})
-	switch {
-	case err == nil:
-	case sameError(err, fnErr):
-		// DoTx returned fn's error unchanged: an ordinary error (fn's writes undone), or a
-		// Permanent one whose failure DoTx has written in tx.
-		if errors.As(err, new(*pgidem.PermanentError)) {
-			return res, true, river.JobCancel(err)
-		}
-		return res, false, err
-	case isTop[*pgidem.FailureNotStoredError](err):
-		// fn's Permanent error, which pgidem could not store: the verdict stands, so River
-		// stops, with nothing in tx to keep. Before the sentinels below, which fn's error
-		// (wrapped in it) may match.
-		return res, false, river.JobCancel(err)
-	case res.Replayed:
-		// The key's record answered, fn did not run: its stored failure (River stops;
-		// nothing to write), or a result that does not decode (pgidem.ErrReplayNotDecodable,
-		// whose chain holds the decoder's error, which may wrap anything): River retries,
-		// and a deploy that fixes the type lets the job replay.
-		if isStoredFailure(res, err) {
-			return res, false, river.JobCancel(err)
-		}
-		return res, false, err
-	case errors.Is(err, pgidem.ErrInvalidArgument):
-		// pgidem's refusal: of the call before fn ran, or of a fn that ended tx itself
-		// (whatever fn returned, tx must be rolled back).
-		if ns, k, ok := pgidem.KeyFromContext(ctx); ok && ns == namespace && k == key {
-			// pgidem refused the key it holds for the middleware: say how to fix it.
-			return res, false, fmt.Errorf("pgidemriver: WorkTx: %s/%s is the key the middleware already reserved for job %d; "+
-				"add kind %q to Config.ExcludeKinds or use another namespace: %w", namespace, key, job.ID, job.Kind, err)
-		}
-		return res, false, err
-	case isTop[*pgidem.InProgressError](err):
-		// DoTx's own verdict (top level, not one fn's or a decoder's error wraps): another
-		// transaction holds the key. Clamped like the middleware's snooze: never a busy
-		// loop, never a whole lease.
-		retryAfter := err.(*pgidem.InProgressError).RetryAfter
-		return res, false, river.JobSnooze(min(max(retryAfter, SnoozeMinDefault), SnoozeMaxDefault))
-	default:
-		return res, false, err
+	if err != nil {
+		freshFailure = (res.Outcome == pgidem.OutcomeExecuted || res.Outcome == pgidem.OutcomeTakenOver) &&
+			sameError(err, fnErr) && errors.As(err, new(*pgidem.PermanentError))
+		return res, freshFailure, txAnswer(ctx, job.JobRow, namespace, key, res.Outcome, res.RetryAfter, err, fnErr)
 	}
 
 	completed, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job)
@@ -203,6 +166,45 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 			job.ID, completed.State, ErrJobNotRunning)
 	}
 	return res, false, nil
+}
+
+// txAnswer is WorkTx's action table: it maps the outcome of a DoTx call that returned err
+// (fnErr is what fn returned, nil when it did not run or succeeded) to River's answer.
+// Only a river.JobCancel error tells the worker to commit ([ShouldCommit]).
+func txAnswer(ctx context.Context, job *rivertype.JobRow, namespace, key string, outcome pgidem.Outcome, retryAfter time.Duration, err, fnErr error) error {
+	switch outcome {
+	case pgidem.OutcomeExecuted, pgidem.OutcomeTakenOver:
+		// fn ran. Its own error, unchanged: an ordinary one (fn's writes undone), or a
+		// Permanent one whose failure DoTx has written in tx (River stops). Anything else
+		// is pgidem's (a store error, fn ending tx itself): River retries.
+		if sameError(err, fnErr) && errors.As(err, new(*pgidem.PermanentError)) {
+			return river.JobCancel(err)
+		}
+		return err
+	case pgidem.OutcomeNotStored:
+		if fnErr != nil {
+			// fn's Permanent error, which pgidem could not store: the verdict stands, so
+			// River stops, with nothing in tx to keep.
+			return river.JobCancel(err)
+		}
+		return err // fn's value could not be stored; its writes are undone: River retries
+	case pgidem.OutcomeStoredFailure:
+		return river.JobCancel(err) // the key's stored failure, replayed: River stops
+	case pgidem.OutcomeInProgress:
+		// Another transaction holds the key. Clamped like the middleware's snooze: never a
+		// busy loop, never a whole lease.
+		return river.JobSnooze(min(max(retryAfter, SnoozeMinDefault), SnoozeMaxDefault))
+	case pgidem.OutcomeInvalid:
+		if ns, k, ok := pgidem.KeyFromContext(ctx); ok && ns == namespace && k == key && errors.Is(err, pgidem.ErrInvalidArgument) {
+			// pgidem refused the key it holds for the middleware: say how to fix it.
+			return fmt.Errorf("pgidemriver: WorkTx: %s/%s is the key the middleware already reserved for job %d; "+
+				"add kind %q to Config.ExcludeKinds or use another namespace: %w", namespace, key, job.ID, job.Kind, err)
+		}
+	}
+	// A replayed result that does not decode (pgidem.ErrReplayNotDecodable: a deploy that
+	// fixes the type lets the job replay), a fingerprint mismatch, a store error, a
+	// context error: River retries.
+	return err
 }
 
 // runsAgain reports whether River works a job in state again by itself: a retryable or
@@ -229,19 +231,6 @@ func sameError(err, fnErr error) bool {
 		return err == fnErr
 	}
 	return a.Type() == b.Type() && reflect.DeepEqual(err, fnErr)
-}
-
-// isTop reports whether err itself, not an error its chain wraps, is of type E: pgidem's
-// own verdicts come at the top level, while a user's error may wrap any of their types.
-func isTop[E error](err error) bool {
-	_, ok := err.(E)
-	return ok
-}
-
-// isStoredFailure reports whether err is the key's own stored failure, replayed.
-func isStoredFailure[T any](res pgidem.Result[T], err error) bool {
-	_, stored := err.(*pgidem.StoredFailureError)
-	return res.Replayed && stored
 }
 
 // WorkInTx makes a job's database effect exactly-once in a transaction of its own: it

@@ -237,8 +237,8 @@ func testWorkTxJobNoLongerRunning(t *testing.T, begin func(b *bundle) func(conte
 
 // WorkInTx keeps a fresh permanent failure although fn's error wraps pgidem errors of its
 // own (a nested call's replayed failure, a store error, a refusal, an in-progress answer):
-// whether the failure was stored is pgidem's answer, not a guess from fn's error chain. It
-// used to roll such a failure back, so the next job ran fn again.
+// whether the failure was stored is pgidem's answer, not a guess from fn's error chain, so
+// the next job replays the failure instead of running fn again.
 func TestWorkInTxKeepsFreshFailure(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -275,8 +275,8 @@ func TestWorkInTxKeepsFreshFailure(t *testing.T) {
 
 // fn's error that matches pgidem.ErrPermanent only through a failure a nested pgidem call
 // replayed is an ordinary error: DoTx stores nothing, WorkTx returns it unchanged (not a
-// JobCancel), ShouldCommit says roll back, and the next job runs fn again. It used to be
-// turned into a JobCancel, so River dropped the job while nothing was stored.
+// JobCancel, which would make River drop the job while nothing was stored), ShouldCommit
+// says roll back, and the next job runs fn again.
 func TestWorkTxNestedReplayedFailureIsOrdinary(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -342,7 +342,7 @@ func TestShouldCommit(t *testing.T) {
 }
 
 // A replayed result that no longer decodes into T is not a stored failure: WorkTx returns
-// it as an ordinary error (River retries), not a JobCancel. It used to cancel the job.
+// it as an ordinary error (River retries), not a JobCancel.
 func TestWorkTxReplayNotDecodable(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -357,8 +357,8 @@ func TestWorkTxReplayNotDecodable(t *testing.T) {
 	require.False(t, pgidemriver.ShouldCommit(err))
 
 	// A decoder (the user's UnmarshalJSON) whose error wraps a pgidem verdict of its own:
-	// still a result that does not decode, not DoTx's in-flight answer. It used to snooze
-	// the job, which uses no attempt, so River never gave up on it.
+	// still a result that does not decode, not DoTx's in-flight answer: a snooze would use
+	// no attempt, so River would never give up on the job.
 	_, err = pgidemriver.WorkInTx(b.ctx, b.coord, j, "orders", "order-60.ship", testTTL, nil,
 		func(context.Context, pgx.Tx) (pickyReceipt, error) { t.Error("fn ran"); return pickyReceipt{}, nil })
 	require.ErrorIs(t, err, pgidem.ErrReplayNotDecodable)
@@ -376,7 +376,7 @@ func (*pickyReceipt) UnmarshalJSON([]byte) error {
 
 // WorkTx under the middleware's own key is refused at once with pgidem's typed error and
 // a hint at the fix; pgidem decides (so a coordinator on another named schema is not
-// refused). It used to be a plain error that matched nothing.
+// refused).
 func TestWorkTxMiddlewareKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -395,7 +395,7 @@ func TestWorkTxMiddlewareKey(t *testing.T) {
 
 // WorkInTx begins its transaction READ WRITE: on a pool whose sessions default to read-only
 // transactions, the shipment, the record and the job's completion still commit together.
-// Every job used to fail with "the transaction is read-only", and River retried it.
+// No job fails with "the transaction is read-only".
 func TestWorkInTxOnReadOnlyDefaultPool(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -441,7 +441,7 @@ func (e codeErr) Error() string { return "code: " + e.err.Error() }
 func (e codeErr) Unwrap() error { return e.err }
 
 // fn's own errors are told from pgidem's even when == cannot compare them: an ordinary one
-// comes back unchanged (it used to panic in the comparison), and a Permanent one inside
+// comes back unchanged (the comparison does not panic), and a Permanent one inside
 // such an error is stored and cancels the job whatever else it wraps.
 func TestWorkTxUncomparableFnErrors(t *testing.T) {
 	t.Parallel()
@@ -470,8 +470,8 @@ func TestWorkTxUncomparableFnErrors(t *testing.T) {
 }
 
 // A Permanent failure pgidem could not store cancels the job like a stored one, also when
-// fn's error wraps a refusal or an in-progress answer of a nested call (which used to be
-// taken for WorkTx's own: returned bare, or snoozed).
+// fn's error wraps a refusal or an in-progress answer of a nested call, which are not
+// taken for WorkTx's own (returned bare, or snoozed).
 func TestWorkTxFailureNotStored(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

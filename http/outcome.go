@@ -30,6 +30,7 @@ var outcomeActions = map[pgidem.Outcome]action{
 	// next did not run: the stored response, or a problem.
 	pgidem.OutcomeReplayed:            replay,
 	pgidem.OutcomeWaitedReplayed:      replay,
+	pgidem.OutcomeReconciled:          replay, // the value found stands for next's response
 	pgidem.OutcomeInProgress:          inProgress,
 	pgidem.OutcomeFingerprintMismatch: always(keyReused),
 	pgidem.OutcomeStoreError:          beforeNext(storeUnavailable),

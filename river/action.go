@@ -91,7 +91,7 @@ type verdict struct {
 // did, to the middleware's [Action] and River's answer.
 func decide(f facts) verdict {
 	switch f.outcome {
-	case pgidem.OutcomeReplayed, pgidem.OutcomeWaitedReplayed:
+	case pgidem.OutcomeReplayed, pgidem.OutcomeWaitedReplayed, pgidem.OutcomeReconciled:
 		if f.failed { // the record's value does not decode: not an effect record of this middleware
 			return notRun(f)
 		}

@@ -24,7 +24,7 @@ import (
 func Await[T any](ctx context.Context, c *Coordinator, namespace, key string, opts *DoOpts) (Result[T], error) {
 	var res Result[T]
 	if c == nil {
-		return res, invalidArgument("Await: the coordinator must not be nil")
+		return Result[T]{Outcome: OutcomeInvalid}, invalidArgument("Await: the coordinator must not be nil")
 	}
 	cl, err := c.engine.PrepareAwait(ctx, namespace, key, opts.engineOpts())
 	if err != nil {

@@ -107,6 +107,10 @@ func TestAwaitFingerprintAndInvalidKey(t *testing.T) {
 	_, err = pgidem.Await[int](b.ctx, b.coord, "mail", "", nil)
 	var invalid *pgidem.InvalidKeyError
 	require.ErrorAs(t, err, &invalid)
-	_, err = pgidem.Await[int](b.ctx, nil, "mail", "k", nil)
+	res, err = pgidem.Await[int](b.ctx, nil, "mail", "k", nil)
 	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.Equal(t, pgidem.OutcomeInvalid, res.Outcome)
+	res, err = pgidem.DoResult[int](b.ctx, nil, "mail", "k", testTTL, nil, nil)
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.Equal(t, pgidem.OutcomeInvalid, res.Outcome, "a nil argument is an invalid input")
 }

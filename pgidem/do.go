@@ -192,7 +192,7 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context) (T, error)) (Result[T], error) {
 	var res Result[T]
 	if c == nil || fn == nil {
-		return res, invalidArgument("Do: the coordinator and fn must not be nil")
+		return Result[T]{Outcome: OutcomeInvalid}, invalidArgument("Do: the coordinator and fn must not be nil")
 	}
 	var value T
 	eopts := opts.engineOpts()

@@ -142,7 +142,7 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 // is not safe for concurrent use.
 func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (Result[T], error) {
 	if c == nil || tx == nil || fn == nil {
-		return Result[T]{}, invalidArgument("DoTx: the coordinator, tx and fn must not be nil")
+		return Result[T]{Outcome: OutcomeInvalid}, invalidArgument("DoTx: the coordinator, tx and fn must not be nil")
 	}
 	cl, err := c.engine.Prepare(ctx, "DoTx", namespace, key, ttl, opts.engineOpts())
 	if err != nil {
@@ -176,7 +176,7 @@ func DoInTx[T any](ctx context.Context, c *Coordinator, namespace, key string, t
 // not (matching [ErrInvalidArgument]). Safe for concurrent use.
 func DoInTxResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (Result[T], error) {
 	if c == nil || fn == nil {
-		return Result[T]{}, invalidArgument("DoInTx: the coordinator and fn must not be nil")
+		return Result[T]{Outcome: OutcomeInvalid}, invalidArgument("DoInTx: the coordinator and fn must not be nil")
 	}
 	cl, err := c.engine.Prepare(ctx, "DoInTx", namespace, key, ttl, opts.engineOpts())
 	if err != nil {

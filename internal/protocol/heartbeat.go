@@ -16,16 +16,16 @@ import (
 // later than the statement's start on the server, from which the server counts the lease,
 // so no other caller can take the key over before this end. Safe for concurrent use.
 type leaseClock struct {
-	end atomic.Int64 // Unix nanoseconds; 0: no lease known
+	end atomic.Pointer[time.Time] // nil: no lease known; kept with its monotonic reading
 }
 
 // set records that the lease runs until end.
-func (l *leaseClock) set(end time.Time) { l.end.Store(end.UnixNano()) }
+func (l *leaseClock) set(end time.Time) { l.end.Store(&end) }
 
 // until returns the end of the lease, or the zero time when none is known.
 func (l *leaseClock) until() time.Time {
-	if n := l.end.Load(); n != 0 {
-		return time.Unix(0, n)
+	if end := l.end.Load(); end != nil {
+		return *end
 	}
 	return time.Time{}
 }

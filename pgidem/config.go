@@ -152,6 +152,13 @@ type Config struct {
 	// cancelled while one is blocked returns when it ends, and a reservation made for it
 	// is released at once) and the finishing write — complete, store failure, release —
 	// with its retries (so a cancelled caller never leaves the record stuck in progress).
+	// A finishing write that fails because the server is unavailable (restarting,
+	// failing over, unreachable) is the exception: after those retries it keeps retrying,
+	// a second apart, each attempt bounded by FinishTimeout, until a tenth of a Lease
+	// before the lease ends as the holder counts it (from the send time of the statement
+	// that granted or last renewed it, which the server's count starts after), and for at
+	// most one Lease in all. None of these is sent once another caller could take the key
+	// over, so a restart shorter than the lease runs no effect twice.
 	// It also bounds each indexed read Do makes of a key (with its wait for a pool
 	// connection; Lookup, LookupTx and Forget run on the caller's context alone),
 	// which otherwise runs on the caller's context: a pool with no connection to spare

@@ -166,8 +166,9 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 //     replay an error matching [ErrResultNotStorable]), and the panic continues.
 //
 // The finishing write runs on a context detached from ctx, bounded by
-// [Config.FinishTimeout] and retried briefly, so a cancelled caller does not leave the
-// record stuck in progress. If it finds the reservation taken over, the value is returned
+// [Config.FinishTimeout] and retried briefly (while the lease lasts when the server is
+// restarting or unreachable), so a cancelled caller does not leave the record stuck in
+// progress. If it finds the reservation taken over, the value is returned
 // with an error matching [ErrLeaseLost] (the effect may have run twice; the record's
 // attempts say so).
 //

@@ -27,6 +27,9 @@ type Call struct {
 	lost bool
 	// notStored is set when fn's value or permanent failure could not be stored.
 	notStored bool
+	// held is the end of the lease this call holds while fn runs and its record is
+	// finished, as the heartbeat knows it; zero before fn runs.
+	held leaseClock
 }
 
 func (c *Engine) newCall(namespace, key string, ttl time.Duration, opts *Opts) (*Call, error) {

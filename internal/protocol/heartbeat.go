@@ -11,6 +11,25 @@ import (
 	"github.com/pgidem/pgidem/internal/store"
 )
 
+// leaseClock is the end of a held lease as its holder knows it: the client's send time of
+// the statement that granted or last renewed it, plus the lease. That send time is no
+// later than the statement's start on the server, from which the server counts the lease,
+// so no other caller can take the key over before this end. Safe for concurrent use.
+type leaseClock struct {
+	end atomic.Pointer[time.Time] // nil: no lease known; kept with its monotonic reading
+}
+
+// set records that the lease runs until end.
+func (l *leaseClock) set(end time.Time) { l.end.Store(&end) }
+
+// until returns the end of the lease, or the zero time when none is known.
+func (l *leaseClock) until() time.Time {
+	if end := l.end.Load(); end != nil {
+		return *end
+	}
+	return time.Time{}
+}
+
 // heartbeat renews a held lease every lease/3 until stopped.
 type heartbeat struct {
 	finished atomic.Bool // fn returned: a renewal that finds no row means the finishing write won
@@ -25,7 +44,8 @@ type heartbeat struct {
 // twelfth of a lease after a renewal failed. When a renewal finds the row no longer owned,
 // or the lease runs out without a renewal (the store could not be reached, or renewals
 // kept failing), it cancels fn's context with cause ErrLeaseLost; a row no longer owned
-// also stops the renewals.
+// also stops the renewals. It keeps cl.held at the lease's end, for the finishing write,
+// which retries while the lease lasts.
 //
 // The lease is counted from the client's send time of the statement that granted or last
 // renewed it, which is no later than that statement's start on the server, and a timer
@@ -51,6 +71,7 @@ func (c *Engine) startHeartbeat(ctx context.Context, cl *Call, owner pgtype.UUID
 			cancelFn(ErrLeaseLost)
 		})
 	}
+	cl.held.set(leaseFrom.Add(cl.lease))
 	deadline := leaseFrom.Add(cl.lease - margin) // fn is cancelled then unless a renewal moves it
 	expiry := time.AfterFunc(time.Until(deadline), lost)
 	go func() {
@@ -91,6 +112,7 @@ func (c *Engine) startHeartbeat(ctx context.Context, cl *Call, owner pgtype.UUID
 				next.Reset(interval / 4) // the expiry timer cancels fn if no renewal succeeds in time
 				continue
 			case tag.RowsAffected() == 1:
+				cl.held.set(sent.Add(cl.lease))
 				deadline = sent.Add(cl.lease - margin)
 				if expiry.Stop() { // not fired yet: the lease now runs from this renewal
 					expiry.Reset(time.Until(deadline))

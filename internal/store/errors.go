@@ -5,7 +5,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"strings"
+	"syscall"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -166,3 +169,38 @@ func IsConnectError(err error) bool {
 
 // IsNoRows reports whether err is pgx.ErrNoRows.
 func IsNoRows(err error) bool { return errors.Is(err, pgx.ErrNoRows) }
+
+// SQLSTATE codes of a server that is going away, not there yet, or not the primary.
+const (
+	codeAdminShutdown      = "57P01" // terminating connection due to administrator command
+	codeCrashShutdown      = "57P02" // terminating connection due to a crash (or an immediate shutdown)
+	codeCannotConnectNow   = "57P03" // the database system is starting up, shutting down or recovering
+	codeTooManyConnections = "53300" // every client slot is taken, as when all clients reconnect at once
+	codeReadOnlyTx         = "25006" // a standby: the primary is failing over
+	classConnection        = "08"
+)
+
+// IsServerUnavailable reports whether err says the server was not there to answer: a
+// connection that could not be made or broke (refused, reset, closed, cut off mid-reply),
+// a session the server ended because it shut down or crashed (57P01, 57P02), a server
+// starting up, shutting down or recovering (57P03), any other connection exception (class
+// 08), no client slot left (53300), or a read-only server (25006, a standby while the
+// primary fails over). Such failures last as long as a restart or a failover. A server's
+// ERROR about the statement itself is not one (it would be refused again), nor is a
+// deadline or a cancellation (a statement may be waiting on a lock).
+func IsServerUnavailable(err error) bool {
+	if err == nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		return false
+	}
+	switch code := Code(err); {
+	case code == codeAdminShutdown, code == codeCrashShutdown, code == codeCannotConnectNow,
+		code == codeTooManyConnections, code == codeReadOnlyTx, strings.HasPrefix(code, classConnection):
+		return true
+	case code != "":
+		return false
+	}
+	var netErr net.Error
+	return IsConnectError(err) || (errors.As(err, &netErr) && !netErr.Timeout()) || errors.Is(err, io.EOF) ||
+		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) || errors.Is(err, pgconn.ErrConnClosed) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EPIPE)
+}

@@ -149,7 +149,7 @@ func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace
 		return Result[T]{Outcome: OutcomeInvalid}, err
 	}
 	var value T
-	rep, err := c.engine.DoTx(ctx, tx, cl, txFunc(fn, &value), func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
+	rep, err := c.engine.DoTx(ctx, protocol.PgxTx(tx), cl, txFunc(fn, &value), func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
 	return txResult(namespace, key, rep, value, err)
 }
 
@@ -187,11 +187,12 @@ func DoInTxResult[T any](ctx context.Context, c *Coordinator, namespace, key str
 	return txResult(namespace, key, rep, value, err)
 }
 
-// txFunc adapts fn to the engine, keeping its value in value.
-func txFunc[T any](fn func(ctx context.Context, tx pgx.Tx) (T, error), value *T) func(context.Context, pgx.Tx) error {
-	return func(ctx context.Context, tx pgx.Tx) error {
+// txFunc adapts fn to the engine, keeping its value in value. Tx is pgx.Tx or *sql.Tx:
+// what the engine gives fn for the transaction kind it runs in.
+func txFunc[T, Tx any](fn func(ctx context.Context, tx Tx) (T, error), value *T) func(context.Context, any) error {
+	return func(ctx context.Context, tx any) error {
 		var err error
-		*value, err = fn(ctx, tx)
+		*value, err = fn(ctx, tx.(Tx))
 		return err
 	}
 }

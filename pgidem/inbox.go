@@ -80,7 +80,11 @@ func (o *InboxOpts) engineOpts() *protocol.InboxOpts {
 // Cancelling ctx ends the statement (pgx may close the connection, which ends tx). Safe
 // for concurrent use on different transactions.
 func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, messageID string, opts *InboxOpts) (bool, error) {
-	return c.engine.InboxRecordTx(ctx, tx, consumer, messageID, opts.engineOpts())
+	var etx protocol.Tx
+	if tx != nil {
+		etx = protocol.PgxTx(tx)
+	}
+	return c.engine.InboxRecordTx(ctx, etx, consumer, messageID, opts.engineOpts())
 }
 
 // InboxHandle handles message messageID of consumer at most once: it begins a transaction

@@ -84,7 +84,10 @@ func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, me
 	if tx != nil {
 		etx = protocol.PgxTx(tx)
 	}
-	return c.engine.InboxRecordTx(ctx, etx, consumer, messageID, opts.engineOpts())
+	ctx, o := c.observe(ctx, OpInboxRecordTx, consumer, messageID)
+	isNew, err := c.engine.InboxRecordTx(ctx, etx, consumer, messageID, opts.engineOpts())
+	o.inboxDone(isNew, err)
+	return isNew, err
 }
 
 // InboxHandle handles message messageID of consumer at most once: it begins a transaction
@@ -121,5 +124,15 @@ func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, me
 // ends, and the next delivery runs the effect again. Cancelling ctx ends the current statement (pgx may close the connection) and
 // the transaction rolls back. Safe for concurrent use.
 func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID string, opts *InboxOpts, fn func(ctx context.Context, tx pgx.Tx) error) (handled bool, err error) {
-	return c.engine.InboxHandle(ctx, consumer, messageID, opts.engineOpts(), fn)
+	ctx, o := c.observe(ctx, OpInboxHandle, consumer, messageID)
+	defer o.closePanicked()
+	if o != nil && fn != nil {
+		inner := fn
+		fn = func(ctx context.Context, tx pgx.Tx) error {
+			return o.fn(func(ctx context.Context) error { return inner(ctx, tx) })(ctx)
+		}
+	}
+	handled, err = c.engine.InboxHandle(ctx, consumer, messageID, opts.engineOpts(), fn)
+	o.inboxDone(handled, err)
+	return handled, err
 }

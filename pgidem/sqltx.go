@@ -48,9 +48,12 @@ func DoSQLTxResult[T any](ctx context.Context, c *Coordinator, tx *sql.Tx, names
 	if err != nil {
 		return Result[T]{Outcome: OutcomeInvalid}, err
 	}
+	ctx, o := c.observe(ctx, OpDoSQLTx, namespace, key)
+	defer o.closePanicked()
 	var value T
-	rep, err := c.engine.DoTx(ctx, protocol.SQLTx(tx), cl, txFunc(fn, &value), func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
-	return txResult(namespace, key, rep, value, err)
+	rep, err := c.engine.DoTx(ctx, protocol.SQLTx(tx), cl, o.txFn(txFunc(fn, &value)), func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
+	res, err := txResult(namespace, key, rep, value, err)
+	return observedResult(o, res, err)
 }
 
 // InboxRecordSQLTx is [Coordinator.InboxRecordTx] in the caller's database/sql
@@ -62,7 +65,10 @@ func (c *Coordinator) InboxRecordSQLTx(ctx context.Context, tx *sql.Tx, consumer
 	if tx != nil {
 		etx = protocol.SQLTx(tx)
 	}
-	return c.engine.InboxRecordTx(ctx, etx, consumer, messageID, opts.engineOpts())
+	ctx, o := c.observe(ctx, OpInboxRecordSQLTx, consumer, messageID)
+	isNew, err := c.engine.InboxRecordTx(ctx, etx, consumer, messageID, opts.engineOpts())
+	o.inboxDone(isNew, err)
+	return isNew, err
 }
 
 // LookupSQLTx is [Coordinator.Lookup] inside the caller's database/sql transaction, with

@@ -96,7 +96,10 @@
 // # Observability
 //
 // [Config.Logger] (a *slog.Logger, quiet by default) records every unusual transition;
-// [Config.Hook] receives an [Event] for every outcome, for metrics.
+// [Config.Hook] receives an [Event] for every outcome, for metrics. A Hook that also
+// implements [CallHook] sees each call start and end (with its outcome, the time before
+// it and fn's duration), to trace it; one that implements [RoundHook] sees each shared
+// round. Package pgidemotel implements all three.
 //
 // # Housekeeping
 //

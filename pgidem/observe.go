@@ -26,25 +26,33 @@ type CallHook interface {
 	OnCallEnd(ctx context.Context, call CallEnd)
 }
 
-// RoundHook is implemented by a [Hook] that also observes the shared statements
-// (Doc: "Shared statements"): every round of reserving inserts and of completing writes,
+// RoundHook is implemented by a [Hook] that also observes the shared statements (the
+// package doc's "Shared statements"): every round of reserving inserts and of completing writes,
 // once its statement returned. [NewCoordinator] checks [Config.Hook] for it. OnRound is
 // called on the round leader's goroutine with the leader's context (detached from its
 // cancellation): fast and safe for concurrent use.
 type RoundHook interface {
 	Hook
+	// OnRound is called once per round, after its statement returned.
 	OnRound(ctx context.Context, round Round)
 }
 
 // Call operations, as [CallStart.Op] names them.
 const (
-	OpDo               = "Do"
-	OpDoTx             = "DoTx"
-	OpDoInTx           = "DoInTx"
-	OpDoSQLTx          = "DoSQLTx"
-	OpInboxRecordTx    = "InboxRecordTx"
+	// OpDo: [Do] and [DoResult].
+	OpDo = "Do"
+	// OpDoTx: [DoTx] and [DoTxResult].
+	OpDoTx = "DoTx"
+	// OpDoInTx: [DoInTx] and [DoInTxResult].
+	OpDoInTx = "DoInTx"
+	// OpDoSQLTx: [DoSQLTx] and [DoSQLTxResult].
+	OpDoSQLTx = "DoSQLTx"
+	// OpInboxRecordTx: [Coordinator.InboxRecordTx].
+	OpInboxRecordTx = "InboxRecordTx"
+	// OpInboxRecordSQLTx: [Coordinator.InboxRecordSQLTx].
 	OpInboxRecordSQLTx = "InboxRecordSQLTx"
-	OpInboxHandle      = "InboxHandle"
+	// OpInboxHandle: [Coordinator.InboxHandle].
+	OpInboxHandle = "InboxHandle"
 )
 
 // CallStart describes a call as it starts.

@@ -1,4 +1,4 @@
-// Package pgidemotel reports pgidem's outcomes as OpenTelemetry metrics.
+// Package pgidemotel reports pgidem's outcomes as OpenTelemetry metrics and traces.
 //
 // [Hook] implements [pgidem.Hook]: install it in [pgidem.Config.Hook] and every outcome
 // (executed, replayed, in progress, waited, taken over, lease lost, store error, invalid
@@ -7,12 +7,31 @@
 // for inbox events) as attributes; the rows a sweep deletes add to a second counter,
 // [SweptMetric], so each counter has one unit:
 //
-//	hook, err := pgidemotel.NewHook(meterProvider)
+//	hook, err := pgidemotel.NewHook(meterProvider, pgidemotel.WithTracerProvider(tracerProvider))
 //	if err != nil { ... }
 //	coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{Hook: hook})
 //
 // Alert on the kinds that mean an effect may have run twice (taken_over, lease_lost) and on
 // fail_open and store_error.
+//
+// # Histograms
+//
+// The hook also implements [pgidem.CallHook] and [pgidem.RoundHook] and records, in seconds,
+// the time each call took before its outcome ([WaitMetric]: the reservation, any wait for
+// another holder, a replay) and fn's duration ([FnMetric]), with the namespace, operation
+// and outcome as attributes; and each shared round's latency ([RoundDurationMetric]) and
+// size ([RoundSizeMetric]).
+//
+// # Traces
+//
+// With [WithTracerProvider], each Do, DoTx, DoInTx, DoSQLTx and inbox call runs in a span
+// of its own ([SpanPrefix] and the operation, such as "pgidem.Do"), a child of the span in
+// the caller's context: a River job's or an HTTP request's span when their
+// instrumentation (River's otelriver, otelhttp) wraps the pgidem middleware. Its
+// attributes are db.system.name ("postgresql"), the namespace, operation, outcome,
+// attempts, waited and took over; the key only with [WithKeys], since keys can carry
+// personal data. A takeover and a lost lease add an event to the call's span
+// ([TakenOverEvent], [LeaseLostEvent]); an error sets the span's status to Error.
 package pgidemotel
 
 import (
@@ -53,18 +72,32 @@ const (
 // [pgidem.Hook] requires.
 type Hook struct {
 	events, swept metric.Int64Counter
+	calls         callInstruments
 }
 
-var _ pgidem.Hook = (*Hook)(nil)
+var (
+	_ pgidem.Hook      = (*Hook)(nil)
+	_ pgidem.CallHook  = (*Hook)(nil)
+	_ pgidem.RoundHook = (*Hook)(nil)
+)
 
-// NewHook creates the [EventsMetric] and [SweptMetric] counters on a meter named
-// [MeterName] from provider. It returns an error matching [pgidem.ErrInvalidArgument]
-// when provider is nil (also a nil pointer in the interface, such as a
-// (*sdkmetric.MeterProvider)(nil)), and the provider's error when a counter cannot be
+// NewHook creates the [EventsMetric] and [SweptMetric] counters and the histograms
+// ([WaitMetric], [FnMetric], [RoundDurationMetric], [RoundSizeMetric]) on a meter named
+// [MeterName] from provider; opts add traces ([WithTracerProvider]) and keys ([WithKeys]).
+// It returns an error matching [pgidem.ErrInvalidArgument] when provider (or the tracer
+// provider given) is nil, also a nil pointer in the interface, such as a
+// (*sdkmetric.MeterProvider)(nil), and the provider's error when an instrument cannot be
 // created.
-func NewHook(provider metric.MeterProvider) (*Hook, error) {
+func NewHook(provider metric.MeterProvider, opts ...Option) (*Hook, error) {
 	if provider == nil || isNilPointer(provider) {
 		return nil, fmt.Errorf("pgidemotel: NewHook: provider is nil: %w", pgidem.ErrInvalidArgument)
+	}
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.tracerSet && (o.tracerProvider == nil || isNilPointer(o.tracerProvider)) {
+		return nil, fmt.Errorf("pgidemotel: NewHook: tracer provider is nil: %w", pgidem.ErrInvalidArgument)
 	}
 	meter := provider.Meter(MeterName)
 	events, err := meter.Int64Counter(EventsMetric,
@@ -79,7 +112,11 @@ func NewHook(provider metric.MeterProvider) (*Hook, error) {
 	if err != nil {
 		return nil, fmt.Errorf("pgidemotel: NewHook: create counter %s: %w", SweptMetric, err)
 	}
-	return &Hook{events: events, swept: swept}, nil
+	calls, err := newCallInstruments(meter, &o)
+	if err != nil {
+		return nil, err
+	}
+	return &Hook{events: events, swept: swept, calls: calls}, nil
 }
 
 // isNilPointer reports whether v holds a nil pointer, which most providers' methods
@@ -99,6 +136,7 @@ func (h *Hook) OnEvent(ctx context.Context, event pgidem.Event) {
 		h.swept.Add(ctx, event.Count)
 		return
 	}
+	h.calls.spanEvent(ctx, event)
 	h.events.Add(ctx, event.Count, metric.WithAttributes(
 		attribute.String(KindAttribute, string(event.Kind)),
 		attribute.String(NamespaceAttribute, event.Namespace),

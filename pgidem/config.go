@@ -300,6 +300,7 @@ func (c *Config) validate() error {
 type Coordinator struct {
 	engine *protocol.Engine
 	config Config
+	calls  CallHook // Config.Hook, when it observes calls
 }
 
 // NewCoordinator returns a coordinator that stores records through pool, which must reach a
@@ -324,6 +325,8 @@ func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 		return nil, err
 	}
 	hook, logger := cfg.Hook, cfg.Logger
+	calls, _ := hook.(CallHook)
+	rounds, _ := hook.(RoundHook)
 	var emit func(context.Context, protocol.EventKind, string, int64)
 	if hook != nil {
 		emit = func(ctx context.Context, kind protocol.EventKind, namespace string, count int64) {
@@ -335,8 +338,8 @@ func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 		InFlight: cfg.InFlight, PollIntervalMin: cfg.PollIntervalMin, PollIntervalMax: cfg.PollIntervalMax,
 		FinishTimeout: cfg.FinishTimeout, MaxBatch: cfg.MaxBatch, Order: cfg.Order, MaxKeyBytes: cfg.MaxKeyBytes,
 		MaxNamespaceBytes: cfg.MaxNamespaceBytes, MaxValueBytes: cfg.MaxValueBytes, FailOpen: cfg.FailOpen, PollOnly: cfg.PollOnly,
-		Logger: logger, Emit: emit,
-	})}
+		Logger: logger, Emit: emit, Round: roundFunc(rounds),
+	}), calls: calls}
 	return c, nil
 }
 

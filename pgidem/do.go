@@ -211,16 +211,18 @@ func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string,
 		res.Outcome = OutcomeInvalid
 		return res, err
 	}
-	rep, err := c.engine.Do(ctx, cl, func(ctx context.Context) error {
+	ctx, o := c.observe(ctx, OpDo, namespace, key)
+	defer o.closePanicked()
+	rep, err := c.engine.Do(ctx, cl, o.fn(func(ctx context.Context) error {
 		var err error
 		value, err = fn(ctx)
 		return err
-	}, func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
+	}), func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
 	res = result(rep, value)
 	if rep.Replayed() {
 		err = decodeReplay(namespace, key, &rep.Row, &res.Value)
 	}
-	return res, err
+	return observedResult(o, res, err)
 }
 
 // result is the Result of a call the engine reported as rep, with fn's value.

@@ -79,6 +79,10 @@
 // caught unique violation). A handler that writes rows and also sends mail uses both: the
 // inbox (or DoTx) for the rows, [Do] for the mail, keyed by the effect.
 //
+// Rows written through database/sql (sqlc, bun, GORM, ent, lib/pq) use the *sql.Tx forms,
+// [DoSQLTx], [DoSQLTxResult], [Coordinator.InboxRecordSQLTx] and [Coordinator.LookupSQLTx]:
+// the same protocol and records as the pgx.Tx forms, on pgx's stdlib driver or lib/pq.
+//
 // # Shared statements (batching)
 //
 // A [Coordinator] is safe for concurrent use and holds no connection between statements.
@@ -92,7 +96,10 @@
 // # Observability
 //
 // [Config.Logger] (a *slog.Logger, quiet by default) records every unusual transition;
-// [Config.Hook] receives an [Event] for every outcome, for metrics.
+// [Config.Hook] receives an [Event] for every outcome, for metrics. A Hook that also
+// implements [CallHook] sees each call start and end (with its outcome, the time before
+// it and fn's duration), to trace it; one that implements [RoundHook] sees each shared
+// round. Package pgidemotel implements all three.
 //
 // # Housekeeping
 //

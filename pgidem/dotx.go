@@ -148,9 +148,12 @@ func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace
 	if err != nil {
 		return Result[T]{Outcome: OutcomeInvalid}, err
 	}
+	ctx, o := c.observe(ctx, OpDoTx, namespace, key)
+	defer o.closePanicked()
 	var value T
-	rep, err := c.engine.DoTx(ctx, tx, cl, txFunc(fn, &value), func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
-	return txResult(namespace, key, rep, value, err)
+	rep, err := c.engine.DoTx(ctx, protocol.PgxTx(tx), cl, o.txFn(txFunc(fn, &value)), func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
+	res, err := txResult(namespace, key, rep, value, err)
+	return observedResult(o, res, err)
 }
 
 // DoInTx is [DoTx] in a transaction of its own. It is [DoInTxResult] without the detail;
@@ -182,16 +185,20 @@ func DoInTxResult[T any](ctx context.Context, c *Coordinator, namespace, key str
 	if err != nil {
 		return Result[T]{Outcome: OutcomeInvalid}, err
 	}
+	ctx, o := c.observe(ctx, OpDoInTx, namespace, key)
+	defer o.closePanicked()
 	var value T
-	rep, err := c.engine.DoInTx(ctx, cl, txFunc(fn, &value), func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
-	return txResult(namespace, key, rep, value, err)
+	rep, err := c.engine.DoInTx(ctx, cl, o.txFn(txFunc(fn, &value)), func() ([]byte, error) { return encodeValue(value, c.config.MaxValueBytes) })
+	res, err := txResult(namespace, key, rep, value, err)
+	return observedResult(o, res, err)
 }
 
-// txFunc adapts fn to the engine, keeping its value in value.
-func txFunc[T any](fn func(ctx context.Context, tx pgx.Tx) (T, error), value *T) func(context.Context, pgx.Tx) error {
-	return func(ctx context.Context, tx pgx.Tx) error {
+// txFunc adapts fn to the engine, keeping its value in value. Tx is pgx.Tx or *sql.Tx:
+// what the engine gives fn for the transaction kind it runs in.
+func txFunc[T, Tx any](fn func(ctx context.Context, tx Tx) (T, error), value *T) func(context.Context, any) error {
+	return func(ctx context.Context, tx any) error {
 		var err error
-		*value, err = fn(ctx, tx)
+		*value, err = fn(ctx, tx.(Tx))
 		return err
 	}
 }

@@ -77,6 +77,9 @@ type Event struct {
 // context detached from the caller's. It is called from many goroutines at once: it must
 // be fast and safe for concurrent use. A panic in OnEvent is recovered and logged at error
 // ([Config.Logger]); the call the event is about goes on as if the Hook had returned.
+//
+// A Hook that also implements [CallHook] observes each call's start and end (to trace it),
+// and one that implements [RoundHook] each shared round.
 type Hook interface {
 	OnEvent(ctx context.Context, event Event)
 }

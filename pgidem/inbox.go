@@ -80,7 +80,14 @@ func (o *InboxOpts) engineOpts() *protocol.InboxOpts {
 // Cancelling ctx ends the statement (pgx may close the connection, which ends tx). Safe
 // for concurrent use on different transactions.
 func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, messageID string, opts *InboxOpts) (bool, error) {
-	return c.engine.InboxRecordTx(ctx, tx, consumer, messageID, opts.engineOpts())
+	var etx protocol.Tx
+	if tx != nil {
+		etx = protocol.PgxTx(tx)
+	}
+	ctx, o := c.observe(ctx, OpInboxRecordTx, consumer, messageID)
+	isNew, err := c.engine.InboxRecordTx(ctx, etx, consumer, messageID, opts.engineOpts())
+	o.inboxDone(isNew, err)
+	return isNew, err
 }
 
 // InboxHandle handles message messageID of consumer at most once: it begins a transaction
@@ -117,5 +124,15 @@ func (c *Coordinator) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, me
 // ends, and the next delivery runs the effect again. Cancelling ctx ends the current statement (pgx may close the connection) and
 // the transaction rolls back. Safe for concurrent use.
 func (c *Coordinator) InboxHandle(ctx context.Context, consumer, messageID string, opts *InboxOpts, fn func(ctx context.Context, tx pgx.Tx) error) (handled bool, err error) {
-	return c.engine.InboxHandle(ctx, consumer, messageID, opts.engineOpts(), fn)
+	ctx, o := c.observe(ctx, OpInboxHandle, consumer, messageID)
+	defer o.closePanicked()
+	if o != nil && fn != nil {
+		inner := fn
+		fn = func(ctx context.Context, tx pgx.Tx) error {
+			return o.fn(func(ctx context.Context) error { return inner(ctx, tx) })(ctx)
+		}
+	}
+	handled, err = c.engine.InboxHandle(ctx, consumer, messageID, opts.engineOpts(), fn)
+	o.inboxDone(handled, err)
+	return handled, err
 }

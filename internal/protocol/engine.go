@@ -35,7 +35,22 @@ type Settings struct {
 	Logger   *slog.Logger
 	// Emit receives every event; nil: none.
 	Emit func(ctx context.Context, kind EventKind, namespace string, count int64)
+	// Round receives every shared round (RoundReserve, RoundComplete) once its statement
+	// returned: how many calls it carried, its latency and its error; nil: none. ctx is
+	// the round leader's (detached from its cancellation).
+	Round func(ctx context.Context, kind RoundKind, size int, latency time.Duration, err error)
 }
+
+// RoundKind names a shared round's statement.
+type RoundKind string
+
+// The shared rounds.
+const (
+	// RoundReserve is a round of reserving inserts.
+	RoundReserve RoundKind = "reserve"
+	// RoundComplete is a round of completing (or failing) writes.
+	RoundComplete RoundKind = "complete"
+)
 
 // Engine runs the protocol against one pool. It holds no connection between calls and is
 // safe for concurrent use.
@@ -120,6 +135,20 @@ func (c *Engine) emit(ctx context.Context, kind EventKind, namespace string, cou
 		}
 	}()
 	c.config.Emit(ctx, kind, namespace, count)
+}
+
+// observeRound hands a round to Settings.Round; a panic there is logged, as in emit.
+func (c *Engine) observeRound(ctx context.Context, kind RoundKind, size int, latency time.Duration, err error) {
+	if c.config.Round == nil {
+		return
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			c.config.Logger.ErrorContext(ctx, "pgidem: Hook.OnRound panicked; the round goes on",
+				slog.String("round", string(kind)), slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+		}
+	}()
+	c.config.Round(ctx, kind, size, latency, err)
 }
 
 func (c *Engine) logStoreError(ctx context.Context, cl *Call, err error) error {

@@ -83,7 +83,7 @@ func (c *Engine) newInboxCall(consumer, messageID string, opts *InboxOpts) (*inb
 // the handler's writes), on another it would wait for the handler's uncommitted row.
 // Cancelling ctx ends the statement (pgx may close the connection, which ends tx). Safe
 // for concurrent use on different transactions.
-func (c *Engine) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, messageID string, opts *InboxOpts) (bool, error) {
+func (c *Engine) InboxRecordTx(ctx context.Context, tx Tx, consumer, messageID string, opts *InboxOpts) (bool, error) {
 	ic, err := c.newInboxCall(consumer, messageID, opts)
 	if err == nil {
 		err = checkNotHeld(ctx, "InboxRecordTx", c.config.Schema, consumer, messageID, true)
@@ -101,7 +101,7 @@ func (c *Engine) InboxRecordTx(ctx context.Context, tx pgx.Tx, consumer, message
 // inboxRecord records ic's message in db. callersTx is true when db is the caller's
 // transaction (InboxRecordTx): one already ended or aborted is then the caller's mistake,
 // not a store error.
-func (c *Engine) inboxRecord(ctx context.Context, db store.Executor, ic *inboxCall, callersTx bool) (bool, error) {
+func (c *Engine) inboxRecord(ctx context.Context, db rowQuerier, ic *inboxCall, callersTx bool) (bool, error) {
 	var inserted bool
 	err := db.QueryRow(ctx, c.sql.InboxRecord, ic.consumer, ic.messageID, store.JSONText(ic.payload),
 		store.Micros(ic.retention)).Scan(&inserted)

@@ -42,6 +42,10 @@ const (
 	OutcomeStoreError Outcome = "store_error"
 )
 
+// FailureOutcome is the outcome of a call that ended with err before fn ran
+// (OutcomeNone for an error that is none of the protocol's).
+func FailureOutcome(err error) Outcome { return failureOutcome(err) }
+
 // Ran reports whether fn ran under the outcome.
 func (o Outcome) Ran() bool {
 	switch o {

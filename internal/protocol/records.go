@@ -12,7 +12,7 @@ import (
 )
 
 // Lookup reads the record of (namespace, key) in db.
-func (c *Engine) Lookup(ctx context.Context, db store.Executor, namespace, key string) (*store.Record, error) {
+func (c *Engine) Lookup(ctx context.Context, db rowQuerier, namespace, key string) (*store.Record, error) {
 	if err := c.validateKey(namespace, key); err != nil {
 		return nil, err
 	}

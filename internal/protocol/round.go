@@ -204,6 +204,7 @@ func (c *Engine) leadReserves(ctx context.Context, leader *batchItem[reserveReq,
 	defer cancel()
 	defer held.release()
 	defer c.releaseEnded(ctx, held, items)
+	start := time.Now()
 	if len(items) == 1 {
 		it := items[0]
 		cl := it.req.cl
@@ -247,6 +248,7 @@ func (c *Engine) leadReserves(ctx context.Context, leader *batchItem[reserveReq,
 			return rows.Err()
 		})
 	}
+	c.observeRound(ctx, RoundReserve, len(items), time.Since(start), err)
 	if err != nil {
 		// The server refused the round with an ERROR (it rolled back, so running alone is
 		// safe), or the outcome is unknown (the connection failed, the session ended):
@@ -286,6 +288,8 @@ func (c *Engine) runCompletes(ctx context.Context, items []*batchItem[completeRe
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
 	defer cancel()
 	var err error
+	start := time.Now()
+	defer func() { c.observeRound(ctx, RoundComplete, len(items), time.Since(start), err) }()
 	if len(items) == 1 {
 		it, q := items[0], items[0].req
 		err = c.inRound(ctx, c.pool, c.sql.CompleteRound, []any{q.cl.namespace, q.cl.key, q.Owner, q.Status, store.JSONText(q.Result),

@@ -27,7 +27,7 @@ import (
 // store error: the server refused it for a deferred constraint fn's writes broke (SQLSTATE
 // class 23; nothing is committed), or fn committed or rolled back tx itself, which it must
 // not (matching [ErrInvalidArgument]). Safe for concurrent use.
-func (c *Engine) DoInTx(ctx context.Context, cl *Call, fn func(ctx context.Context, tx pgx.Tx) error, encode func() ([]byte, error)) (Report, error) {
+func (c *Engine) DoInTx(ctx context.Context, cl *Call, fn func(ctx context.Context, tx any) error, encode func() ([]byte, error)) (Report, error) {
 	var zero Report
 	if err := ctx.Err(); err != nil {
 		return zero, err
@@ -46,7 +46,7 @@ func (c *Engine) DoInTx(ctx context.Context, cl *Call, fn func(ctx context.Conte
 			c.rollbackDetached(ctx, tx)
 		}
 	}()
-	res, failureStored, err := c.doTx(ctx, tx, cl, fn, encode)
+	res, failureStored, err := c.doTx(ctx, PgxTx(tx), cl, fn, encode)
 	if err != nil && !failureStored {
 		return res, err
 	}
@@ -64,8 +64,9 @@ func (c *Engine) DoInTx(ctx context.Context, cl *Call, fn func(ctx context.Conte
 
 // DoTx runs the protocol for cl in the caller's transaction tx: fn runs in a savepoint
 // of tx and the finished record is written there, so the caller's commit makes both
-// visible together. A replayed record comes back in the report's Row.
-func (c *Engine) DoTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx context.Context, tx pgx.Tx) error, encode func() ([]byte, error)) (Report, error) {
+// visible together. fn's tx is a pgx.Tx for a [PgxTx], the *sql.Tx for an [SQLTx]. A
+// replayed record comes back in the report's Row.
+func (c *Engine) DoTx(ctx context.Context, tx Tx, cl *Call, fn func(ctx context.Context, tx any) error, encode func() ([]byte, error)) (Report, error) {
 	rep, _, err := c.doTx(ctx, tx, cl, fn, encode)
 	return rep, err
 }
@@ -73,7 +74,7 @@ func (c *Engine) DoTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx cont
 // doTx is DoTx. failureStored is true when fn returned a [Permanent] error and the failed
 // record was written in tx (err is then fn's error): the one error after which tx holds
 // something worth committing.
-func (c *Engine) doTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx context.Context, tx pgx.Tx) error, encode func() ([]byte, error)) (res Report, failureStored bool, err error) {
+func (c *Engine) doTx(ctx context.Context, tx Tx, cl *Call, fn func(ctx context.Context, tx any) error, encode func() ([]byte, error)) (res Report, failureStored bool, err error) {
 	defer func() { res.failed(err) }()
 	if err := ctx.Err(); err != nil {
 		return res, false, err
@@ -142,7 +143,7 @@ func (c *Engine) doTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx cont
 
 // runTxReported runs fn in tx (runTx) and reports what happened in res. won is false
 // when a live record appeared meanwhile: the caller reads the key again.
-func (c *Engine) runTxReported(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx context.Context, tx pgx.Tx) error, encode func() ([]byte, error), res *Report) (won, failureStored bool, err error) {
+func (c *Engine) runTxReported(ctx context.Context, tx Tx, cl *Call, fn func(ctx context.Context, tx any) error, encode func() ([]byte, error), res *Report) (won, failureStored bool, err error) {
 	out, won, err := c.runTx(ctx, tx, cl, fn, encode)
 	if out.ran {
 		res.Outcome = OutcomeExecuted
@@ -177,7 +178,7 @@ type txOutcome struct {
 // permanent failure: in tx, after rolling the savepoint back). won is false when a live
 // record appeared meanwhile (a Do holder): fn's writes are then rolled back, nothing is
 // recorded, and the caller decides again.
-func (c *Engine) runTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx context.Context, tx pgx.Tx) error, encode func() ([]byte, error)) (out txOutcome, won bool, err error) {
+func (c *Engine) runTx(ctx context.Context, tx Tx, cl *Call, fn func(ctx context.Context, tx any) error, encode func() ([]byte, error)) (out txOutcome, won bool, err error) {
 	sp, err := beginSavepoint(ctx, tx)
 	if err != nil {
 		return out, false, c.logStoreError(ctx, cl, store.Wrap("savepoint", err))
@@ -191,18 +192,13 @@ func (c *Engine) runTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx con
 
 	c.emit(ctx, EventExecuted, cl.namespace, 1)
 	out.ran = true
-	fnErr := fn(withKey(ctx, c.config.Schema, cl.namespace, cl.key, false), sp)
+	fnErr := fn(withKey(ctx, c.config.Schema, cl.namespace, cl.key, false), tx.fnTx(sp))
 	if sp.closed {
 		// fn released or rolled back its savepoint itself: nothing can be recorded with
 		// its writes any more, and they cannot be undone (a release merged them into tx).
 		// Whatever fn returned, the caller must roll tx back.
 		released = true
-		err := fmt.Errorf("pgidem: DoTx: fn ended the transaction it was given (Commit or Rollback), which it must not: "+
-			"nothing was recorded, and fn's writes may be in tx: roll tx back: %w", ErrInvalidArgument)
-		if fnErr != nil {
-			err = fmt.Errorf("%w (fn returned: %w)", err, fnErr)
-		}
-		return out, true, err
+		return out, true, fnEndedTx(fnErr)
 	}
 	if fnErr != nil {
 		var permanent *PermanentError
@@ -241,7 +237,7 @@ func (c *Engine) runTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx con
 // tx would hold it while the caller waits for that record's holder, whose heartbeat it
 // would block until the holder's lease ran out and tx took over a live holder. It returns
 // fn's error once stored; won is false when a live record blocked the write.
-func (c *Engine) storeTxFailure(ctx context.Context, tx pgx.Tx, sp *savepoint, cl *Call, fnErr error, permanent *PermanentError) (won, stored bool, err error) {
+func (c *Engine) storeTxFailure(ctx context.Context, tx Tx, sp *savepoint, cl *Call, fnErr error, permanent *PermanentError) (won, stored bool, err error) {
 	notStored := func(err error) error {
 		cl.notStored = true
 		return &FailureNotStoredError{Err: fnErr, Cause: err}
@@ -273,7 +269,7 @@ func (c *Engine) storeTxFailure(ctx context.Context, tx pgx.Tx, sp *savepoint, c
 
 // txUpsert writes the finished record in db (tx or its savepoint). won is false when a live
 // record blocked the write.
-func (c *Engine) txUpsert(ctx context.Context, db store.Executor, cl *Call, status store.Status, result, failure []byte) (store.Row, bool, error) {
+func (c *Engine) txUpsert(ctx context.Context, db rowQuerier, cl *Call, status store.Status, result, failure []byte) (store.Row, bool, error) {
 	var r store.Row
 	err := db.QueryRow(ctx, c.sql.TxUpsert, cl.namespace, cl.key, status, store.NewOwner(), cl.fingerprint,
 		store.JSONText(result), store.JSONText(failure), store.Micros(cl.ttl)).Scan(append(r.ScanTargets(false), &r.TookOver)...)
@@ -290,8 +286,24 @@ func (c *Engine) txUpsert(ctx context.Context, db store.Executor, cl *Call, stat
 	if abortErr := abortedByFn("DoTx", err); abortErr != nil {
 		return r, false, abortErr
 	}
+	if errors.Is(err, pgx.ErrTxClosed) {
+		// A *sql.Tx that fn committed or rolled back (a pgx fn can only end its savepoint,
+		// which runTx checks before).
+		return r, false, fnEndedTx(nil)
+	}
 	if err != nil {
 		return r, false, c.logStoreError(ctx, cl, store.Wrap("complete", err))
 	}
 	return r, true, nil
+}
+
+// fnEndedTx is the error of a DoTx whose fn ended the transaction (or savepoint) it was
+// given; fnErr is what fn returned.
+func fnEndedTx(fnErr error) error {
+	err := fmt.Errorf("pgidem: DoTx: fn ended the transaction it was given (Commit or Rollback), which it must not: "+
+		"nothing was recorded, and fn's writes may be in tx: roll tx back: %w", ErrInvalidArgument)
+	if fnErr != nil {
+		err = fmt.Errorf("%w (fn returned: %w)", err, fnErr)
+	}
+	return err
 }

@@ -12,7 +12,7 @@ import (
 
 // txIdleBound returns a third of tx's idle_in_transaction_session_timeout, or 0 when it has
 // none: how long DoTx may leave tx idle at a time.
-func (c *Engine) txIdleBound(ctx context.Context, tx pgx.Tx, cl *Call) (time.Duration, error) {
+func (c *Engine) txIdleBound(ctx context.Context, tx Tx, cl *Call) (time.Duration, error) {
 	var ms int64
 	err := tx.QueryRow(ctx, store.IdleTimeout).Scan(&ms)
 	if err != nil {
@@ -22,7 +22,7 @@ func (c *Engine) txIdleBound(ctx context.Context, tx pgx.Tx, cl *Call) (time.Dur
 }
 
 // txRead reads the key's record in tx. found is false when there is no row.
-func (c *Engine) txRead(ctx context.Context, tx pgx.Tx, cl *Call) (r store.Row, found bool, err error) {
+func (c *Engine) txRead(ctx context.Context, tx Tx, cl *Call) (r store.Row, found bool, err error) {
 	err = tx.QueryRow(ctx, c.sql.TxRead, cl.namespace, cl.key).Scan(r.ScanTargets(false)...)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return r, false, nil
@@ -39,13 +39,13 @@ func (c *Engine) txRead(ctx context.Context, tx pgx.Tx, cl *Call) (r store.Row, 
 // statement finished, so the read sees every commit of the lock's previous holder. When
 // another transaction holds the lock but that read shows a finished record, the record is
 // returned without the lock: replaying it needs none.
-func (c *Engine) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *Call, start time.Time, waited *bool) (store.Row, bool, error) {
+func (c *Engine) txLockAndRead(ctx context.Context, tx Tx, cl *Call, start time.Time, waited *bool) (store.Row, bool, error) {
 	id := store.LockKey(cl.namespace, cl.key)
 	var r store.Row
 	batch := &pgx.Batch{}
 	batch.Queue(store.TryLock, id)
 	batch.Queue(c.sql.TxRead, cl.namespace, cl.key)
-	br := tx.SendBatch(ctx, batch)
+	br := tx.sendBatch(ctx, batch)
 	var readOnly, locked, found bool
 	err := br.QueryRow().Scan(&readOnly, &locked)
 	if err == nil {
@@ -83,7 +83,7 @@ func (c *Engine) txLockAndRead(ctx context.Context, tx pgx.Tx, cl *Call, start t
 // advisory lock: InFlightRaise returns an [*InProgressError] at once; InFlightWait waits
 // for the lock within the call's wait budget, reading the record between slices of the
 // wait, and returns the record once it holds the lock or the record finished.
-func (c *Engine) txAwaitLock(ctx context.Context, tx pgx.Tx, cl *Call, id int64, start time.Time, waited *bool) (store.Row, bool, error) {
+func (c *Engine) txAwaitLock(ctx context.Context, tx Tx, cl *Call, id int64, start time.Time, waited *bool) (store.Row, bool, error) {
 	var r store.Row
 	inProgress := &InProgressError{Namespace: cl.namespace, Key: cl.key, RetryAfter: c.config.PollIntervalMax}
 	if cl.policy == InFlightRaise {
@@ -135,7 +135,7 @@ func (c *Engine) txAwaitLock(ctx context.Context, tx pgx.Tx, cl *Call, id int64,
 // lock timeout (which raises an error) does not abort the caller's transaction. It sets
 // lock_timeout (and lifts statement_timeout) with SET LOCAL semantics and restores the
 // caller's values afterwards; rolling back to the savepoint restores them too.
-func (c *Engine) txWaitLock(ctx context.Context, tx pgx.Tx, cl *Call, id int64, timeout time.Duration) error {
+func (c *Engine) txWaitLock(ctx context.Context, tx Tx, cl *Call, id int64, timeout time.Duration) error {
 	sp, err := beginSavepoint(ctx, tx)
 	if err != nil {
 		return err
@@ -147,7 +147,7 @@ func (c *Engine) txWaitLock(ctx context.Context, tx pgx.Tx, cl *Call, id int64, 
 	batch.Queue(store.GetLockTimeout)
 	batch.Queue(store.SetLockTimeout, fmt.Sprintf("%dms", ms), "0")
 	batch.Queue(store.Lock, id)
-	br := sp.SendBatch(ctx, batch)
+	br := sp.sendBatch(ctx, batch)
 	var previousLock, previousStatement string
 	err = br.QueryRow().Scan(&previousLock, &previousStatement)
 	if err == nil {

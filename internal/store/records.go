@@ -4,7 +4,7 @@ import "context"
 
 // ReadRecord reads the record of (namespace, key) in db. It returns pgx.ErrNoRows when
 // there is none ([IsNoRows]) and the driver's error otherwise; the caller wraps it.
-func (s *Statements) ReadRecord(ctx context.Context, db Executor, namespace, key string) (*Row, error) {
+func (s *Statements) ReadRecord(ctx context.Context, db RowQuerier, namespace, key string) (*Row, error) {
 	var r Row
 	if err := db.QueryRow(ctx, s.Lookup, namespace, key).Scan(r.ScanTargets(false)...); err != nil {
 		return nil, err

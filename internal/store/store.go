@@ -26,6 +26,12 @@ type Executor interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
+// RowQuerier is what a single-row read needs: an Executor, or a database/sql
+// transaction adapted to it.
+type RowQuerier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
 var (
 	_ Executor = (*pgxpool.Pool)(nil)
 	_ Executor = (*pgxpool.Conn)(nil)

@@ -16,9 +16,9 @@ import (
 	"github.com/pgidem/pgidem/pgidem"
 )
 
-// DESIGN "Schema": identifiers are always quoted with pgx.Identifier. In a schema whose name
-// needs quoting (a space, capitals), migrated by the migrations package, every statement
-// family works: Do, DoInTx, DoTx's replay, the inbox (new and duplicate) and Sweep.
+// Identifiers are always quoted: in a schema whose name needs quoting (a space, capitals),
+// migrated by the migrations package, every statement family works: Do, DoInTx, DoTx's
+// replay, the inbox (new and duplicate) and Sweep.
 func TestQuotedSchemaIdentifiers(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()

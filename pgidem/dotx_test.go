@@ -695,7 +695,7 @@ func TestDoTxRepeatableReadFailsInsteadOfDuplicating(t *testing.T) {
 
 // DoTx whose fn's statement is cut off by the caller's deadline, and which then fails
 // permanently: storing the failure fails on the closed connection, which is the
-// deadline's doing, not the store's. It used to be logged and counted as a store error.
+// deadline's doing, not the store's, so it is neither logged nor counted as a store error.
 func TestDoTxCallerDeadlineThenPermanent(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -716,7 +716,7 @@ func TestDoTxCallerDeadlineThenPermanent(t *testing.T) {
 }
 
 // DoTx in a read-only transaction, which can never write the record, refuses before fn
-// runs; it used to run fn and fail only at the record's write.
+// runs.
 func TestDoTxReadOnlyTransaction(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -760,10 +760,9 @@ func TestDoTxPermanentFailureYieldsToDoReservation(t *testing.T) {
 	require.Equal(t, "from-do", v)
 }
 
-// The same race under Wait: DoTx waits for the Do holder and must not hold a lock on its
-// record meanwhile. It used to write the failed record in tx itself; the refused upsert
-// still locked the live row, the holder's heartbeat blocked on that lock, and after one
-// lease DoTx took over a live holder (and the holder's fn was cancelled).
+// The same race under Wait: DoTx waits for the Do holder and holds no lock on its record
+// meanwhile, so the holder's heartbeat is never blocked, the live holder is never taken
+// over and its fn is not cancelled.
 func TestDoTxPermanentFailureWaitsWithoutLockingHolder(t *testing.T) {
 	t.Parallel()
 	const lease = 300 * time.Millisecond
@@ -852,10 +851,9 @@ func TestDoTxWaitTimeoutAboveLockTimeoutMax(t *testing.T) {
 	require.ErrorIs(t, <-done, context.Canceled)
 }
 
-// Two transactions that take two keys in opposite order: Postgres reports the deadlock to
-// one of them (40P01, as a *StoreError) and the other commits. DoTx used to wait for the
-// lock in slices no longer than deadlock_timeout, so the server never looked for the
-// cycle, and both waited out their whole WaitTimeout and failed with ErrInProgress.
+// Two transactions that take two keys in opposite order: Postgres detects the deadlock and
+// reports it to one of them (40P01, as a *StoreError), and the other commits; neither waits
+// out its WaitTimeout.
 func TestDoTxOppositeLockOrderIsADeadlock(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -911,8 +909,8 @@ func TestDoTxOppositeLockOrderIsADeadlock(t *testing.T) {
 }
 
 // A contended DoTx waits for the lock holder and replays, whatever the caller's session
-// timeouts: it sets lock_timeout for the wait and lifts statement_timeout (a shorter one
-// used to cancel the wait, reported as a store outage), then puts both back.
+// timeouts: it sets lock_timeout for the wait and lifts statement_timeout (so a shorter one
+// cannot cancel the wait), then puts both back.
 func TestDoTxLockTimeoutRestoredAfterWait(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -1070,7 +1068,7 @@ func TestDoTxRepeatableReadWaitForDoTimesOut(t *testing.T) {
 
 // A result jsonb refuses (class 22 or 54) is the caller's value at fault, not a store
 // outage: DoTx returns ErrResultNotStorable, rolls fn's writes back and stores nothing, so
-// the next call runs fn again. It used to be reported (and logged) as ErrStoreUnavailable.
+// the next call runs fn again. It is not reported or logged as ErrStoreUnavailable.
 func TestDoTxResultRefusedByJSONB(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -1160,10 +1158,9 @@ func TestDoTxErrorsLeaveNoSavepoints(t *testing.T) {
 }
 
 // A fn that swallows the error of one of its statements and returns nil leaves the
-// transaction aborted. DoTx, DoInTx and InboxHandle say so, and that it is fn's mistake:
-// they used to return a store error (logged at error and counted, as for an outage) for
-// the refused record write or the commit that rolled back. Nothing of fn's is committed,
-// and the next delivery runs fn again.
+// transaction aborted. DoTx, DoInTx and InboxHandle say so, and that it is fn's mistake, not
+// a store error (nothing is logged at error or counted). Nothing of fn's is committed, and
+// the next delivery runs fn again.
 func TestFnSwallowingAFailedStatement(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -1216,8 +1213,7 @@ func TestFnSwallowingAFailedStatement(t *testing.T) {
 }
 
 // A transaction an earlier failed statement aborted, given to DoTx: an error matching
-// ErrInvalidArgument, neither logged nor counted as a store error (it used to be one, for
-// op "lock"), and fn does not run.
+// ErrInvalidArgument, neither logged nor counted as a store error, and fn does not run.
 func TestDoTxOnAbortedTransaction(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -1237,10 +1233,8 @@ func TestDoTxOnAbortedTransaction(t *testing.T) {
 }
 
 // fn returns a Permanent error as the caller's context ends: the failure cannot be stored
-// on that context, and fn's writes must still be undone. The savepoint used to count as
-// closed before its ROLLBACK TO ran; the statement was refused on the cancelled context,
-// fn's writes stayed in tx, and a caller that committed kept the effect with no record, so
-// the next delivery ran fn again.
+// on that context, and fn's writes are still undone (the rollback to the savepoint runs on
+// a context of its own), so a caller that commits keeps no effect without a record.
 func TestDoTxPermanentAfterCancelUndoesWrites(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -1275,9 +1269,9 @@ func TestDoTxPermanentAfterCancelUndoesWrites(t *testing.T) {
 	require.Zero(t, b.ledgerRows(t, "charge"), "a permanent failure never commits its writes")
 }
 
-// fn calling DoTx (or Do) on its own key is refused at once. Nested DoTx in the same
-// transaction used to find its own record, run fn eleven times and fail with a store
-// error; Do inside Do's fn waited for itself until the wait timeout.
+// fn calling DoTx (or Do) on its own key is refused at once: a nested DoTx in the same
+// transaction does not find its own record and run fn again, and Do inside Do's fn does not
+// wait for itself.
 func TestCallForHeldKeyFromFn(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -1298,8 +1292,9 @@ func TestCallForHeldKeyFromFn(t *testing.T) {
 	})
 	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
 
-	// Through another key (A's fn calls B, B's fn calls A): refused too. DoTx used to see
-	// only the innermost key, and A's fn ran again inside B's, without end.
+	// Through another key (A's fn calls B, B's fn calls A): refused too. DoTx sees every
+	// key held on the way in, not only the innermost one, so A's fn never runs again
+	// inside B's.
 	outer.Store(0)
 	var middle atomic.Int32
 	var fnA func(ctx context.Context, tx pgx.Tx) (int64, error)
@@ -1358,8 +1353,8 @@ func TestDoTxWaitForDoKeepsTxAlive(t *testing.T) {
 
 // Coordinators on two different named schemas hold different records: a call for the
 // same namespace and key on the other's coordinator from within fn is allowed (the guard
-// used to compare namespace and key only). The default schema ("", the search_path's) may
-// be any named one, so "" beside "public" is still refused: that nesting waits for itself.
+// compares the schema too). The default schema ("", the search_path's) may be any named
+// one, so "" beside "public" is still refused: that nesting would wait for itself.
 func TestHeldKeyGuardIsPerSchema(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -80,8 +80,7 @@ func TestErrors(t *testing.T) {
 }
 
 // A PermanentError made without an error (a literal, or a typed nil) is stored as a
-// permanent failure like any other; pgidem used to panic on it after fn returned and
-// leave the record in progress until its lease ended.
+// permanent failure like any other: no panic after fn returned, no record left in progress.
 func TestPermanentErrorWithoutErr(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -116,7 +115,9 @@ func TestResultLeaseLost(t *testing.T) {
 	require.False(t, res.LeaseLost, "released normally")
 }
 
-// Regression: errors not of the documented type.
+// Errors carry their documented types: a lease below the minimum is an *InvalidTTLError
+// matching ErrInvalidTTL, and Lookup with an invalid key returns ErrInvalidKey, not a store
+// error.
 func TestErrorTypes(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

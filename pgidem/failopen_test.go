@@ -47,11 +47,11 @@ func TestRefusedRoundThenUnreachableDoesNotFailOpen(t *testing.T) {
 	require.False(t, res.FailedOpen)
 }
 
-// Regression: under ReserveFirst the first statement sent is the reserving CTE. When it returns
-// no row (the conflicting record committed after its snapshot — here a DoTx record whose
-// transaction commits while the insert waits on it), acquire loops without setting
-// acq.answered, so a connect error on the next round's probe fails open and runs fn although
-// the store answered and a completed record exists: the effect runs twice (Attempts 0).
+// Under ReserveFirst the first statement sent is the reserving CTE. When it returns no row
+// (the conflicting record committed after its snapshot — here a DoTx record whose
+// transaction commits while the insert waits on it), the store has answered: a connect
+// error on the next attempt's probe does not fail open, fn does not run again beside the
+// completed record.
 func TestFailOpenAfterReserveFirstNoRow(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -90,9 +90,9 @@ func TestFailOpenAfterReserveFirstNoRow(t *testing.T) {
 	require.False(t, ran.Load(), "FailOpen ran fn after the reserving statement was answered; a completed record exists (FailedOpen=%v)", o.res.FailedOpen)
 }
 
-// Regression: FailOpen now engages on any pgconn.ConnectError, which includes a server that
-// answered the connection with an error: a database that does not exist (3D000) is a
-// misconfiguration like a missing table, yet fn runs unprotected.
+// FailOpen does not engage on a server that answered the connection with an error: a
+// database that does not exist (3D000) is a misconfiguration like a missing table, so the
+// call returns ErrStoreUnavailable and fn does not run.
 func TestFailOpenNotOnMissingDatabase(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -104,9 +104,8 @@ func TestFailOpenNotOnMissingDatabase(t *testing.T) {
 	require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
 }
 
-// Regression: FailOpen applies to every store error in acquire, including a lookup that fails
-// while *waiting* for a holder that the caller has already seen alive. The waiter then runs
-// fn unprotected beside the live holder: a near-certain duplicate, not a degraded mode.
+// FailOpen never runs fn beside a holder the caller has seen alive: a lookup that fails
+// while waiting for that holder returns a store error instead of failing open.
 func TestFailOpenNeverBesideHolder(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

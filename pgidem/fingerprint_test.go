@@ -13,10 +13,10 @@ import (
 	"github.com/pgidem/pgidem/pgidem"
 )
 
-// DESIGN "Keys, namespaces, TTL, fingerprints": the fingerprint is compared on every path,
-// in progress and takeover included, also by DoTx: meeting a live Do holder or a dead
-// one's expired lease with another fingerprint returns ErrFingerprintMismatch, without
-// running fn (or waiting) and without touching the row.
+// The fingerprint is compared on every path, in progress and takeover included, also by
+// DoTx: meeting a live Do holder or a dead one's expired lease with another fingerprint
+// returns ErrFingerprintMismatch, without running fn (or waiting) and without touching the
+// row.
 func TestDoTxChecksFingerprintInProgressAndTakeover(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

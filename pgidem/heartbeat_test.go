@@ -19,9 +19,8 @@ import (
 
 // A lease runs from its statement's start on the server. A reserving insert that waited
 // longer than a lease behind another transaction's uncommitted record (an open DoTx that
-// then rolled back) used to hand its caller a lease that had already ended: another caller
-// took the key over at once and both fns ran side by side. The holder now renews such a
-// lease before fn starts.
+// then rolled back) gets a lease that has already ended; the holder renews it before fn
+// starts, so no other caller takes the key over and the two fns never run side by side.
 func TestReservationAfterLockWaitIsRenewed(t *testing.T) {
 	t.Parallel()
 	const lease = 500 * time.Millisecond
@@ -78,10 +77,8 @@ func TestReservationAfterLockWaitIsRenewed(t *testing.T) {
 }
 
 // The heartbeat counts a lease from the send time of the statement that granted it, and a
-// timer cancels fn when it runs out without a renewal. It used to count a whole lease from
-// when fn started (later still after a lost-reply recovery) and check only after a failed
-// renewal, so a holder cut off from the store kept running fn after another caller had
-// taken the key over.
+// timer cancels fn when it runs out without a renewal: a holder cut off from the store
+// stops fn before another caller can take the key over.
 func TestHeartbeatCancelsBeforeTakeover(t *testing.T) {
 	t.Parallel()
 	const lease = 600 * time.Millisecond
@@ -240,8 +237,8 @@ func TestSingleRenewalFailureKeepsHolder(t *testing.T) {
 
 // A lease renewed before fn (granted after a long wait) that another caller takes over
 // meanwhile: on a pool whose sessions default to REPEATABLE READ the renewal fails with a
-// serialization failure, which now means "taken over, read again" as it does elsewhere in
-// the protocol; it was reported as the store being unavailable.
+// serialization failure, which means "taken over, read again" as it does elsewhere in the
+// protocol, not that the store is unavailable.
 func TestFreshLeaseSerializationFailureReadsAgain(t *testing.T) {
 	t.Parallel()
 	const lease = 300 * time.Millisecond
@@ -371,9 +368,9 @@ func (c *slowLinkConn) SetDeadline(t time.Time) error { return c.Conn.SetReadDea
 func (c *slowLinkConn) SetWriteDeadline(t time.Time) error { return nil }
 
 // A renewal already on the wire when its holder releases the key (fn failed) can reach the
-// server after the release; it used to revive the released row's lease, so the next
-// caller got ErrInProgress for a holder that had given the key up, and a lease later
-// counted a takeover nobody caused. A released row is never renewed now.
+// server after the release; it does not revive the released row's lease, so the next
+// caller is not told ErrInProgress for a holder that gave the key up, and no takeover is
+// counted later.
 func TestLateRenewalCannotReviveReleasedLease(t *testing.T) {
 	t.Parallel()
 	const lease = 600 * time.Millisecond
@@ -429,8 +426,8 @@ func (c *slowReplyConn) Read(p []byte) (int, error) {
 }
 
 // A renewal that queued behind the completing write and lost to it is not a store error:
-// under a stricter default isolation it fails with a serialization failure, which used to
-// be logged and reported as EventStoreError for a call that succeeded.
+// under a stricter default isolation it fails with a serialization failure, which is
+// neither logged nor reported as EventStoreError for a call that succeeded.
 func TestRenewalLosingToCompletionIsNoStoreError(t *testing.T) {
 	t.Parallel()
 	for _, isolation := range []string{"read committed", "repeatable read"} {
@@ -487,11 +484,10 @@ func TestRenewalLosingToCompletionIsNoStoreError(t *testing.T) {
 	}
 }
 
-// Regression: when heartbeats fail with store errors for a whole lease (here: blocked by a row
-// lock, as a slow disk or a network blip would), the heartbeat sets lost=true and run()
-// skips the finishing write entirely — although nobody took the row over and the
-// owner-conditional UPDATE would succeed. fn's success is thrown away, the record stays in
-// progress, and the next delivery takes over and repeats the effect (attempts 2).
+// Heartbeats that fail with store errors for a whole lease (here: blocked by a row lock,
+// as a slow disk or a network blip would) do not stop the finishing write: nobody took the
+// row over, so the owner-conditional completion succeeds, fn's success is recorded, and the
+// next delivery replays it instead of taking over (attempts stays 1).
 func TestHeartbeatOutageStillFinishes(t *testing.T) {
 	t.Parallel()
 	b := setup(t, &pgidem.Config{Lease: 300 * time.Millisecond})
@@ -519,7 +515,7 @@ func TestHeartbeatOutageStillFinishes(t *testing.T) {
 		"the row was never taken over (still ours), yet the successful result was not stored (err=%v)", err)
 	require.NoError(t, err)
 
-	// Consequence: once the lease has run out, the next delivery runs the effect again.
+	// Once the lease has run out, the next delivery replays instead of running the effect again.
 	_, err = b.db.Pool.Exec(b.ctx, `UPDATE pgidem_record SET lease_expires_at = now() - interval '1 second' WHERE status = 'in_progress'`)
 	require.NoError(t, err)
 	_, err = pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, fn)

@@ -66,10 +66,10 @@ func TestHookPanicIsContained(t *testing.T) {
 	require.Contains(t, obs.logText(), "Hook.OnEvent panicked")
 }
 
-// DESIGN "Observability": every unusual transition is logged and counted. A takeover of a
-// dead holder, by Do or DoTx, emits EventTakenOver and logs at warn; a fingerprint
-// mismatch, by Do or DoTx, emits EventFingerprintMismatch and logs at warn; a lease lost
-// by the time the result is stored emits EventLeaseLost and logs at error.
+// Every unusual transition is logged and counted. A takeover of a dead holder, by Do or
+// DoTx, emits EventTakenOver and logs at warn; a fingerprint mismatch, by Do or DoTx, emits
+// EventFingerprintMismatch and logs at warn; a lease lost by the time the result is stored
+// emits EventLeaseLost and logs at error.
 func TestUnusualTransitionsObserved(t *testing.T) {
 	t.Parallel()
 
@@ -171,8 +171,8 @@ func TestInvalidNamespaceIsNotAnEventAttribute(t *testing.T) {
 	require.Equal(t, append(slices.Repeat([]string{""}, 9), "mail"), namespaces)
 }
 
-// Regression: hook.go promises exactly one outcome event (Executed, Replayed, InProgress,
-// InvalidKey, StoreError, FailOpen) per call; a fingerprint mismatch reports none.
+// A call reports exactly one outcome event (Executed, Replayed, InProgress, InvalidKey,
+// StoreError, FingerprintMismatch); a fingerprint mismatch reports its own.
 func TestHookOneOutcome(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

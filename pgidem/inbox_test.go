@@ -217,8 +217,9 @@ func TestInboxInvalid(t *testing.T) {
 		{"ShortRetention", "c", "m", &pgidem.InboxOpts{Retention: time.Second}, pgidem.ErrInvalidTTL},
 		{"PayloadNotJSON", "c", "m", &pgidem.InboxOpts{Payload: []byte("{")}, pgidem.ErrInvalidPayload},
 		{"PayloadNulEscape", "c", "m", &pgidem.InboxOpts{Payload: []byte(`"\u0000"`)}, pgidem.ErrInvalidPayload},
-		// Over Config.MaxValueBytes. Such a payload (17 M array elements) used to reach
-		// jsonb, fail with an internal error, and abort the caller's transaction.
+		// Over Config.MaxValueBytes: refused before it reaches jsonb, where such a payload
+		// (17 M array elements) would fail with an internal error and abort the caller's
+		// transaction.
 		{"PayloadTooLarge", "c", "m", &pgidem.InboxOpts{Payload: []byte(`"` + strings.Repeat("x", pgidem.MaxValueBytesDefault) + `"`)}, pgidem.ErrInvalidPayload},
 		{"NilFn", "c", "m", nil, pgidem.ErrInvalidArgument},
 	}
@@ -465,12 +466,12 @@ func TestInboxExpiredRowConcurrentTakeover(t *testing.T) {
 	}
 }
 
-// InboxHandle for a message from within the fn handling that message is refused at once;
-// it used to wait for its own uncommitted inbox row until ctx ended (for ever without a
-// deadline). So is InboxRecordTx for that message: on the handler's own tx it reported a
-// duplicate (a helper doing so would skip the handler's writes), on another tx it waited
-// like the nested InboxHandle. Another message, and a Do inside fn, are fine;
-// KeyFromContext inside the handler still reports only record keys.
+// InboxHandle for a message from within the fn handling that message is refused at once,
+// instead of waiting for its own uncommitted inbox row. So is InboxRecordTx for that
+// message, on the handler's own tx (it is not a duplicate: a helper skipping on it would
+// drop the handler's writes) and on another tx (it would wait like the nested
+// InboxHandle). Another message, and a Do inside fn, are fine; KeyFromContext inside the
+// handler still reports only record keys.
 func TestInboxHandleNestedSameMessage(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -121,9 +121,8 @@ func TestBackendTerminatedBeforeFn(t *testing.T) {
 }
 
 // With every connection of the pool in use, a call whose context ends before it gets one
-// returns the context's error at once, with nothing sent, whichever statement it starts
-// with; the reserving statement used to wait on its detached context (FinishTimeout, twice
-// through the lost-reply check) and return a store error.
+// returns the context's error at once, with nothing sent and no store error, whichever
+// statement it starts with.
 func TestPoolExhaustedBeforeFn(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -176,9 +175,9 @@ func TestPoolExhaustedBeforeFn(t *testing.T) {
 
 // With every connection of the pool in use and a caller whose context has no deadline (a
 // consumer loop), a call fails after FinishTimeout instead of waiting for ever, whichever
-// statement it starts with, and its error says the pool had no connection to spare: the
-// usual cause is handlers holding connections while they call Do (InboxHandle), not the
-// server. The indexed read a call starts with used to wait as long as ctx allowed.
+// statement it starts with (the indexed read included), and its error says the pool had no
+// connection to spare: the usual cause is handlers holding connections while they call Do
+// (InboxHandle), not the server.
 func TestPoolExhaustedFailsAfterFinishTimeout(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -360,11 +359,9 @@ func TestDetachedReserveTimeoutUnderCallerDeadline(t *testing.T) {
 // testCallKey marks the context of the call a test watches in the pool's tracer.
 type testCallKey struct{}
 
-// Regression: storeError passes through any error that wraps context.DeadlineExceeded,
-// judging by the error chain instead of the caller's ctx. pgx's connect_timeout (and any
-// internal driver deadline) produces exactly such an error when the server hangs, so the call
-// returns a bare timeout that does not match ErrStoreUnavailable — and FailOpen never engages
-// in the most common outage mode — although the caller's context is fine.
+// A driver deadline that is not the caller's (pgx's connect_timeout against a server that
+// accepts and never answers) is a store error: the call matches ErrStoreUnavailable, and
+// FailOpen engages, although the error wraps context.DeadlineExceeded.
 func TestConnectTimeoutIsStoreError(t *testing.T) {
 	t.Parallel()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

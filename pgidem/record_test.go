@@ -13,10 +13,10 @@ import (
 	"github.com/pgidem/pgidem/pgidem"
 )
 
-// DESIGN "Reserve" / STYLE 13: expiry is judged by the database clock at the statement, not
-// at the transaction's start. A transaction opened before a record and an inbox row
-// expired (so now() in it predates their expiry) still sees them as expired: LookupTx
-// says so, DoTx runs fn instead of replaying, and InboxRecordTx records the message anew.
+// Expiry is judged by the database clock at the statement, not at the transaction's start.
+// A transaction opened before a record and an inbox row expired (so now() in it predates
+// their expiry) still sees them as expired: LookupTx says so, DoTx runs fn instead of
+// replaying, and InboxRecordTx records the message anew.
 func TestExpiryJudgedByStatementClock(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -79,9 +79,8 @@ func TestExpiredRecordIsAbsent(t *testing.T) {
 }
 
 // Forget on a pool whose sessions default to REPEATABLE READ, blocked behind a concurrent
-// write to the record that then commits, reads the record again and deletes it. The
-// server refuses the first statement with a serialization failure, which Forget used to
-// return as a store error.
+// write to the record that then commits, reads the record again and deletes it: the
+// server's serialization failure on the first statement is not returned as a store error.
 func TestForgetUnderRepeatableRead(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -27,11 +27,10 @@ func (b *testBundle) xminXmax(t *testing.T, table, k1, k2 string) string {
 	return v
 }
 
-// DESIGN "Reserve": the replay path must stay a pure read, and replays and in-progress
-// checks never write — also on the ReserveFirst path (the reserving INSERT … ON CONFLICT
-// DO NOTHING meets the existing row), with batching on and off, for DoInTx and for an
-// inbox duplicate. A row lock (ON CONFLICT DO UPDATE … WHERE false) would set xmax.
-// TestReadPathsNeverWrite covers Do's plain-read path.
+// Replays and in-progress checks never write — also on the ReserveFirst path (the
+// reserving INSERT … ON CONFLICT DO NOTHING meets the existing row), with batching on and
+// off, for DoInTx and for an inbox duplicate. A row lock (ON CONFLICT DO UPDATE … WHERE
+// false) would set xmax. TestReadPathsNeverWrite covers Do's plain-read path.
 func TestReadPathsNeverWriteOnEveryEntry(t *testing.T) {
 	t.Parallel()
 	for _, maxBatch := range []int{1, 64} {
@@ -109,11 +108,10 @@ func TestReadPathsNeverWriteOnEveryEntry(t *testing.T) {
 // A caller whose context ends while its reserving statement waits on the server (behind an
 // open transaction's record for the key), on a pool whose only connection another
 // goroutine is queued for, releases the reservation its statement then makes on that same
-// connection. The release used to need a second connection: the queued goroutine got the
-// freed one, the release failed after FinishTimeout, and the key stayed in progress for a
-// lease, then counted a takeover (attempts 2) that never was. And when that release fails
-// on the kept connection (it broke), the connection is given back before the release is
-// tried again on the pool, whose only connection it was.
+// connection: the key is free at once, and the next caller does not count a takeover
+// (attempts stays 1). And when that release fails on the kept connection (it broke), the
+// connection is given back before the release is tried again on the pool, whose only
+// connection it was.
 func TestCancelledReservationReleasedOnItsConnection(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -100,8 +100,7 @@ func TestReplayExactValues(t *testing.T) {
 
 	t.Run("EscapedReplacementCharacter", func(t *testing.T) {
 		// A \ufffd escape that JSON carries on purpose (a json.RawMessage) is a valid
-		// U+FFFD and is stored; one encoding/json wrote for invalid UTF-8 is not. The first
-		// used to be refused like the second, losing fn's value.
+		// U+FFFD and is stored; one encoding/json wrote for invalid UTF-8 is not.
 		raw := json.RawMessage(`{"name":"\ufffd"}`)
 		v, err := pgidem.Do(b.ctx, b.coord, "t", "fffd-raw", testTTL, nil,
 			func(context.Context) (json.RawMessage, error) { return raw, nil })
@@ -207,7 +206,7 @@ func TestReplayExactValues(t *testing.T) {
 }
 
 // A stored result that no longer decodes into the caller's type is a typed error, from Do
-// and DoTx alike, and fn does not run. It used to be an error matching nothing.
+// and DoTx alike, and fn does not run.
 func TestReplayNotDecodable(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -227,11 +226,9 @@ func TestReplayNotDecodable(t *testing.T) {
 	require.ErrorIs(t, err, pgidem.ErrReplayNotDecodable)
 }
 
-// Regression: a Permanent error whose message contains NUL is stored as JSON with \u0000,
-// which jsonb refuses (class 22). finish now returns data exceptions without logging, and
-// run ignores every finish error but errFinishNoRow on that path: the record stays in
-// progress (silently), the next caller finds it in progress instead of replaying the
-// failure, and after the lease the effect runs again.
+// A Permanent error whose message contains NUL (which jsonb refuses inside a string) is
+// still stored as a failure: the next caller replays the failure instead of finding the
+// key in progress, and the effect does not run again.
 func TestPermanentFailureWithNULIsStored(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -255,11 +252,9 @@ type nulErrorMarshal struct{}
 
 func (nulErrorMarshal) MarshalJSON() ([]byte, error) { return nil, errors.New("cannot\x00encode") }
 
-// Regression: the same for a result that is not storable because its MarshalJSON error
-// contains NUL: the "not storable" failure record is itself refused by jsonb, the record
-// stays in progress and the caller gets a *StoreError (matching ErrStoreUnavailable)
-// instead of ErrResultNotStorable, although fn ran. The River middleware then releases the
-// job (ran && err) and the redelivery runs the effect again after the lease.
+// The same for a result that is not storable because its MarshalJSON error contains NUL:
+// the "not storable" failure record is stored, and the caller gets ErrResultNotStorable,
+// not a store error.
 func TestNotStorableMessageWithNUL(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -329,10 +324,9 @@ func (m panicMarshal) MarshalJSON() ([]byte, error) {
 	return []byte(`{}`), nil
 }
 
-// Regression: a panic while encoding fn's (successful) value happens after finished=true and
-// after the heartbeat stopped, so neither the panic release nor the complete runs: the row is
-// left in progress with no heartbeat, and after one lease the next delivery takes over and
-// repeats the effect.
+// A panic while encoding fn's (successful) value, after the heartbeat stopped, still
+// finishes the record: the row is not left in progress, and the next delivery does not take
+// over and repeat the effect.
 func TestMarshalPanicStoresRecord(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -357,8 +351,8 @@ func TestMarshalPanicStoresRecord(t *testing.T) {
 	require.EqualValues(t, 1, runs.Load(), "the effect ran twice")
 }
 
-// Regression: json.Marshal silently replaces invalid UTF-8 in strings with U+FFFD, so the replay
-// returns a different value from the one fn returned (and the first caller got).
+// A result holding invalid UTF-8 is refused with ErrResultNotStorable: encoding/json would
+// replace it with U+FFFD, and the replay would differ from what fn returned.
 func TestInvalidUTF8ResultNotStorable(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -376,9 +370,8 @@ func TestInvalidUTF8ResultNotStorable(t *testing.T) {
 	require.Equal(t, []byte(sig), []byte(second.Value), "the replay differs from fn's value")
 }
 
-// Regression: the NUL check in run() is bytes.Contains(json, `\u0000`), which also matches the
-// escaped text backslash-u-0-0-0-0 (encoded as `\\u0000`). A perfectly storable result is
-// recorded as a failure and every caller gets ErrResultNotStorable.
+// The text backslash-u-0-0-0-0 (encoded as `\\u0000`) is not a NUL: a result holding it is
+// stored and replayed like any other.
 func TestLiteralBackslashU0000Storable(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

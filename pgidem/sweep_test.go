@@ -44,9 +44,8 @@ func TestSweep(t *testing.T) {
 }
 
 // Concurrent sweeps on a pool whose sessions default to REPEATABLE READ split the rows as
-// under READ COMMITTED. A row another sweep deleted after a statement's snapshot used to
-// fail that statement with a serialization failure: three of four sweeps returned a store
-// error.
+// under READ COMMITTED: a row another sweep deleted after a statement's snapshot does not
+// fail the statement, and no sweep returns a store error.
 func TestSweepConcurrentUnderRepeatableRead(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -77,8 +76,8 @@ func TestSweepConcurrentUnderRepeatableRead(t *testing.T) {
 }
 
 // A sweep whose context ends mid-statement returns the context's error, and it is not a
-// store error: nothing is logged at error or counted (a River sweep job cut short by its
-// timeout used to count as one). The cut batch rolls back.
+// store error: nothing is logged at error or counted (as for a River sweep job cut short
+// by its timeout). The cut batch rolls back.
 func TestSweepCancelledMidStatement(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -172,8 +171,8 @@ func TestSweepVsTakeover(t *testing.T) {
 	})
 }
 
-// Regression: sweep options accepted but misbehaving: a negative MaxBatches silently
-// sweeps nothing; a negative BatchSize becomes a SQL error reported as ErrStoreUnavailable.
+// Negative sweep options: a negative BatchSize is refused with an error that is not
+// ErrStoreUnavailable, and a negative MaxBatches either errs or sweeps.
 func TestSweepRejectsNegativeOpts(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -339,8 +339,7 @@ func TestConcurrentTakeover(t *testing.T) {
 // Releasing a reservation that took over a dead holder's keeps the evidence: the row stays
 // with its lease ended (the next caller takes over at once) and its attempts, so the record
 // says the effect may have run more than once all along. Taking the released row over
-// counts no attempt and reports no takeover (its holder did not die). Releasing used to
-// delete the row, and the next call started afresh with attempts 1. A first reservation
+// counts no attempt and reports no takeover (its holder did not die). A first reservation
 // that is released still leaves no row.
 func TestReleaseAfterTakeoverKeepsAttempts(t *testing.T) {
 	t.Parallel()

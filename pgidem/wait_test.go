@@ -101,10 +101,9 @@ func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.T
 
 func (c *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-// Regression: huge poll intervals are accepted but overflow: jitter(d) computes d/2 + rand(d),
-// which wraps negative for d > ~MaxInt64/1.5, and backoff*2 wraps (with PollIntervalMax =
-// MaxInt64 and the default min it reaches 0 after ~57 polls and stays there). A negative or
-// zero sleep turns the wait loop into a hot loop hammering the database.
+// Poll intervals are bounded: intervals so large that the backoff arithmetic would overflow
+// are refused by NewCoordinator, and a waiter at the largest accepted interval waits
+// instead of polling in a hot loop.
 func TestPollIntervalBounded(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -277,8 +277,8 @@ func TestBackendTerminatedDuringFn(t *testing.T) {
 // A statement cut off by the caller's own deadline (River's JobTimeout, an HTTP request's)
 // is not a store outage: the call returns an error matching context.DeadlineExceeded and
 // not ErrStoreUnavailable, and nothing is logged at error or counted as EventStoreError.
-// DoTx waiting for another transaction's lock and Lookup blocked behind a table lock used
-// to report "store unavailable".
+// This holds for DoTx waiting for another transaction's lock and for Lookup blocked
+// behind a table lock too.
 func TestCallerDeadlineIsNotStoreError(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -123,8 +123,8 @@ func TestReplayExactValues(t *testing.T) {
 	t.Run("TooLarge", func(t *testing.T) {
 		// Over Config.MaxValueBytes (16 MiB by default) a result is not storable before it
 		// reaches Postgres, which can refuse a large document with an internal error
-		// (XX000) that looked like an outage: the record stayed in progress and the effect
-		// ran again after the lease.
+		// (XX000) that would look like an outage, leave the record in progress and let the
+		// effect run again after the lease.
 		runs := 0
 		huge := strings.Repeat("x", pgidem.MaxValueBytesDefault)
 		fn := func(context.Context) (string, error) { runs++; return huge, nil }

@@ -7,8 +7,10 @@ BENCHSTAT     := golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-22c9c6c9d
 TEST_FLAGS    ?=
 BENCH         ?= .
 BENCH_COUNT   ?= 6
+FUZZTIME      ?= 30s
+FUZZ_TARGETS  := FuzzKey FuzzResultRoundTrip FuzzInboxPayload
 
-.PHONY: all test lint demo bench bench-river bench-http build tidy
+.PHONY: all test lint fuzz demo bench bench-river bench-http build tidy
 
 all: lint test
 
@@ -18,6 +20,12 @@ build:
 ## test: every package under the race detector, against real Postgres.
 test:
 	$(GO) test -race -count=1 -timeout 20m $(TEST_FLAGS) ./...
+
+## fuzz: each fuzz target of pgidem for FUZZTIME, against real Postgres (seed corpora in pgidem/testdata/fuzz).
+fuzz:
+	@set -e; for target in $(FUZZ_TARGETS); do \
+		$(GO) test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) ./pgidem/; \
+	done
 
 ## lint: gofmt, go vet, staticcheck.
 lint:

@@ -1,8 +1,12 @@
 package pgidem_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
+	"math/big"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -512,4 +516,95 @@ func (b *testBundle) insertExpiredInbox(t *testing.T, consumer, messageID string
 	_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_inbox (consumer, message_id, received_at, expires_at)
 		VALUES ($1, $2, now() - interval '8 days', now() - interval '1 day')`, consumer, messageID)
 	require.NoError(t, err)
+}
+
+// FuzzInboxPayload: a payload InboxHandle accepts is stored in the inbox row and reads
+// back as equal JSON (jsonb normalises spacing, key order, duplicate keys and number
+// spelling, not values); one it refuses returns an error matching ErrInvalidPayload
+// before the handler runs, and records nothing.
+func FuzzInboxPayload(f *testing.F) {
+	for _, seed := range []string{
+		"", "null", `{"sku":"mug","qty":1}`, `{"a":1,"a":2}`, `[1e2, 1.50, -0, 0.0e-5]`, `"\u0000"`,
+		`"\ud800"`, `"\ud83d\ude00"`, "\"\xff\"", `{`, `1e131072`, `1e-16383`, `123456789012345678901234567890`,
+		`"\ufffd"`, `[[[[[[[[[[1]]]]]]]]]]`, ` {"x" : [true, false, null] } `, "\"\u2028\"",
+	} {
+		f.Add([]byte(seed))
+	}
+	b := fuzzBundle(f)
+	var seq atomic.Int64
+	f.Fuzz(func(t *testing.T, payload []byte) {
+		id := fmt.Sprintf("m%d", seq.Add(1))
+		ran := false
+		handled, err := b.coord.InboxHandle(b.ctx, "fuzz", id, &pgidem.InboxOpts{Payload: payload},
+			func(context.Context, pgx.Tx) error { ran = true; return nil })
+		var stored []byte
+		rowErr := b.db.Pool.QueryRow(b.ctx, `SELECT payload::text FROM pgidem_inbox WHERE consumer = 'fuzz' AND message_id = $1`, id).Scan(&stored)
+		if err != nil {
+			require.ErrorIs(t, err, pgidem.ErrInvalidPayload, "%q", payload)
+			require.False(t, ran, "the handler ran for a refused payload %q", payload)
+			require.ErrorIs(t, rowErr, pgx.ErrNoRows, "a refused payload was recorded: %q", payload)
+			return
+		}
+		require.True(t, handled)
+		require.True(t, ran)
+		require.NoError(t, rowErr)
+		if payload == nil {
+			require.Nil(t, stored, "no payload is NULL")
+			return
+		}
+		require.NotNil(t, stored, "payload %q was stored as NULL", payload)
+		requireSameJSON(t, payload, stored)
+	})
+}
+
+// requireSameJSON asserts that want and got are the same JSON value: objects by their keys
+// (the last of duplicates counts), numbers by their exact decimal value.
+func requireSameJSON(t *testing.T, want, got []byte) {
+	t.Helper()
+	decode := func(p []byte) any {
+		d := json.NewDecoder(bytes.NewReader(p))
+		d.UseNumber()
+		var v any
+		require.NoError(t, d.Decode(&v), "%q", p)
+		return v
+	}
+	require.True(t, sameJSON(decode(want), decode(got)), "sent %q, stored %q", want, got)
+}
+
+// sameJSON reports whether two values decoded with UseNumber are the same JSON value.
+func sameJSON(a, b any) bool {
+	switch a := a.(type) {
+	case json.Number:
+		b, ok := b.(json.Number)
+		if !ok {
+			return false
+		}
+		x, okx := new(big.Rat).SetString(string(a))
+		y, oky := new(big.Rat).SetString(string(b))
+		return okx && oky && x.Cmp(y) == 0
+	case map[string]any:
+		b, ok := b.(map[string]any)
+		if !ok || len(a) != len(b) {
+			return false
+		}
+		for k, v := range a {
+			if w, ok := b[k]; !ok || !sameJSON(v, w) {
+				return false
+			}
+		}
+		return true
+	case []any:
+		b, ok := b.([]any)
+		if !ok || len(a) != len(b) {
+			return false
+		}
+		for i := range a {
+			if !sameJSON(a[i], b[i]) {
+				return false
+			}
+		}
+		return true
+	default:
+		return a == b
+	}
 }

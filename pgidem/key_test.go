@@ -2,6 +2,7 @@ package pgidem_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -90,4 +91,49 @@ func TestKeyEdgeCases(t *testing.T) {
 	v, err := pgidem.Do(b.ctx, b.coord, "mail", strings.Repeat("é", 127)+"a", testTTL, nil, fn)
 	require.NoError(t, err, "255 bytes is within the limit")
 	require.Equal(t, 1, v)
+}
+
+// FuzzKey: a namespace and key that Do accepts are stored byte-exact (Lookup finds a
+// record with the same namespace and key, and fn's value replays); one Do refuses returns
+// an error matching ErrInvalidKey (an *InvalidKeyError) and fn does not run.
+func FuzzKey(f *testing.F) {
+	for _, seed := range [][2]string{
+		{"mail", "order-9.invoice"}, {"", "k"}, {"ns", ""}, {"ns", "order-9\x00invoice"},
+		{"ns", "k\u0085"}, {"ns", "k\x7f"}, {"ns", "k\xff\xfe"}, {"ns", "k\xc3"},
+		{"ns", "\xed\xa0\x80"}, {"ns", "é\u2028\ufeff\U0001F600"}, {"ns", strings.Repeat("é", 127) + "a"},
+		{"ns", strings.Repeat("k", 256)}, {strings.Repeat("n", 65), "k"}, {"ns", " "}, {"ns", `'";--\`},
+	} {
+		f.Add(seed[0], seed[1])
+	}
+	b := fuzzBundle(f)
+	f.Fuzz(func(t *testing.T, namespace, key string) {
+		ran := false
+		v, err := pgidem.Do(b.ctx, b.coord, namespace, key, testTTL, nil, func(ctx context.Context) (string, error) {
+			ran = true
+			ns, k, ok := pgidem.KeyFromContext(ctx)
+			require.True(t, ok)
+			return ns + "\n" + k, nil
+		})
+		if err != nil {
+			require.ErrorIs(t, err, pgidem.ErrInvalidKey, "%q/%q", namespace, key)
+			var ike *pgidem.InvalidKeyError
+			require.ErrorAs(t, err, &ike)
+			require.False(t, ran, "fn ran for a refused key %q/%q", namespace, key)
+			return
+		}
+		require.Equal(t, namespace+"\n"+key, v)
+		rec, err := b.coord.Lookup(b.ctx, namespace, key)
+		require.NoError(t, err, "%q/%q", namespace, key)
+		require.Equal(t, namespace, rec.Namespace)
+		require.Equal(t, key, rec.Key)
+		require.Equal(t, pgidem.StatusCompleted, rec.Status)
+		res, err := pgidem.DoResult(b.ctx, b.coord, namespace, key, testTTL, nil, func(context.Context) (string, error) {
+			return "", errors.New("fn ran again for a completed key")
+		})
+		require.NoError(t, err)
+		require.True(t, res.Replayed)
+		require.Equal(t, namespace+"\n"+key, res.Value)
+		_, err = b.coord.Forget(b.ctx, namespace, key, nil) // the same input may come again
+		require.NoError(t, err)
+	})
 }

@@ -1,10 +1,12 @@
 package pgidem_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -409,4 +411,48 @@ func TestReplayJSONLimits(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, float64(1<<53), v, "encoding/json decodes numbers into any as float64")
 	})
+}
+
+// FuzzResultRoundTrip: a string, a float64 or a []byte that fn returns replays equal
+// through jsonb, or is refused with ErrResultNotStorable; a refused value is still handed
+// to the first caller, and the failure is stored and replayed without running fn again.
+func FuzzResultRoundTrip(f *testing.F) {
+	f.Add("", 0.0, []byte(nil))
+	f.Add("receipt em_1", 1.5, []byte("raw"))
+	f.Add("nul\x00byte", math.Inf(1), []byte{0, 0xff})
+	f.Add("bad \xff byte", math.NaN(), []byte{})
+	f.Add(`\u0000 "quoted" \\`, math.Copysign(0, -1), []byte("\x00"))
+	f.Add("\ufffd\u2028\U0001F600", math.MaxFloat64, []byte("\xed\xa0\x80"))
+	f.Add("\xed\xa0\x80", math.SmallestNonzeroFloat64, []byte(`"`))
+	f.Add("<&>", 1e21, []byte(strings.Repeat("x", 100)))
+	b := fuzzBundle(f)
+	var seq atomic.Int64
+	f.Fuzz(func(t *testing.T, s string, n float64, raw []byte) {
+		key := fmt.Sprintf("k%d", seq.Add(1))
+		fuzzRoundTrip(t, b, "string", key, s, func(a, b string) bool { return a == b })
+		fuzzRoundTrip(t, b, "float", key, n, func(a, b float64) bool { return a == b || a != a && b != b }) // NaN is itself
+		fuzzRoundTrip(t, b, "bytes", key, raw, bytes.Equal)
+	})
+}
+
+// fuzzRoundTrip stores v as fn's value under namespace/key and checks its replay with eq.
+func fuzzRoundTrip[T any](t *testing.T, b *testBundle, namespace, key string, v T, eq func(a, b T) bool) {
+	t.Helper()
+	runs := 0
+	fn := func(context.Context) (T, error) { runs++; return v, nil }
+	got, err := pgidem.Do(b.ctx, b.coord, namespace, key, testTTL, nil, fn)
+	require.True(t, eq(v, got), "the first caller gets fn's value: %#v, got %#v", v, got)
+	if err != nil {
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable, "%#v", v)
+		_, err = pgidem.Do(b.ctx, b.coord, namespace, key, testTTL, nil, fn)
+		require.ErrorIs(t, err, pgidem.ErrResultNotStorable, "the failure is replayed: %#v", v)
+		require.Equal(t, 1, runs, "fn ran again for a stored failure")
+		require.Equal(t, pgidem.StatusFailed, b.lookup(t, namespace, key).Status)
+		return
+	}
+	res, err := pgidem.DoResult(b.ctx, b.coord, namespace, key, testTTL, nil, fn)
+	require.NoError(t, err)
+	require.True(t, res.Replayed)
+	require.Equal(t, 1, runs, "fn ran again for a completed key")
+	require.True(t, eq(v, res.Value), "replay of %#v gave %#v", v, res.Value)
 }

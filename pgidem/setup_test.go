@@ -417,3 +417,13 @@ func assertNoErr(t *testing.T, err error) {
 }
 
 func returnOne(context.Context) (int, error) { return 1, nil }
+
+// fuzzBundle returns a fresh database and a coordinator on it for a fuzz target: one per
+// process, which every input of that process shares.
+func fuzzBundle(f *testing.F) *testBundle {
+	f.Helper()
+	db := testdb.New(f)
+	coord, err := pgidem.NewCoordinator(db.Pool, nil)
+	require.NoError(f, err)
+	return &testBundle{db: db, coord: coord, ctx: context.Background()}
+}

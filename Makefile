@@ -8,8 +8,10 @@ TEST_FLAGS    ?=
 BENCH         ?= .
 BENCH_COUNT   ?= 6
 FLOOR_COUNT   ?= 5
+FUZZTIME      ?= 30s
+FUZZ_TARGETS  := FuzzKey FuzzResultRoundTrip FuzzInboxPayload
 
-.PHONY: all test lint demo bench bench-micro bench-river bench-http build tidy
+.PHONY: all test lint fuzz demo bench bench-micro bench-river bench-http build tidy
 
 all: lint test
 
@@ -19,6 +21,12 @@ build:
 ## test: every package under the race detector, against real Postgres.
 test:
 	$(GO) test -race -count=1 -timeout 20m $(TEST_FLAGS) ./...
+
+## fuzz: each fuzz target of pgidem for FUZZTIME, against real Postgres (seed corpora in pgidem/testdata/fuzz).
+fuzz:
+	@set -e; for target in $(FUZZ_TARGETS); do \
+		$(GO) test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) ./pgidem/; \
+	done
 
 ## lint: gofmt, go vet, staticcheck.
 lint:

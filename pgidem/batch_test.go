@@ -2,9 +2,7 @@ package pgidem_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -136,36 +134,4 @@ func TestDoBesideAnOpenDoTxIsNotHeldUp(t *testing.T) {
 	require.NoError(t, tx.Commit(b.ctx))
 	require.NoError(t, <-heldDone)
 	require.Equal(t, "from-dotx", heldValue, "the held key replays the DoTx's value")
-}
-
-// A shared round refused by the server (here: its key is behind an open DoTx) means the
-// store answered: if the call's own statement then cannot connect, it must not fail open.
-func TestRefusedRoundThenUnreachableDoesNotFailOpen(t *testing.T) {
-	b := setup(t, nil)
-	var dials atomic.Int32
-	pool := b.newPool(t, func(cfg *pgxpool.Config) {
-		cfg.MinConns = 0
-		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-			if dials.Add(1) > 1 {
-				return nil, errors.New("network down")
-			}
-			var d net.Dialer
-			return d.DialContext(ctx, network, addr)
-		}
-		cfg.AfterRelease = func(*pgx.Conn) bool { return false } // each connection is used once
-	})
-	coord := b.newCoordOn(t, pool, &pgidem.Config{FailOpen: true})
-
-	tx := b.begin(t)
-	_, err := pgidem.DoTx(b.ctx, b.coord, tx, "side", "held", testTTL, nil, func(context.Context, pgx.Tx) (string, error) {
-		return "from-dotx", nil
-	})
-	require.NoError(t, err)
-
-	ran := false
-	res, err := pgidem.DoResult(b.ctx, coord, "side", "held", testTTL, &pgidem.DoOpts{ReserveFirst: true},
-		func(context.Context) (string, error) { ran = true; return "from-do", nil })
-	require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
-	require.False(t, ran, "fn must not run beside the DoTx's record")
-	require.False(t, res.FailedOpen)
 }

@@ -19,8 +19,7 @@ import (
 // pool, with none of the library around them: the ratio pgidem/baseline from one run is the
 // library's overhead. A fresh key costs an indexed read (miss), the reserving insert and
 // the completing update; a replay costs the indexed read alone. Replay/minimal-read is the
-// cheapest possible indexed read of a result, for the "replay vs one indexed read"
-// comparison.
+// cheapest possible indexed read of a result, to compare a replay with one indexed read.
 const benchMinimalReadSQL = benchsql.MinimalReadSQL
 
 // benchBaselineFresh sends by hand the three statements of a fresh key through pool.

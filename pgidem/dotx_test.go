@@ -2,6 +2,7 @@ package pgidem_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"sync"
@@ -15,56 +16,6 @@ import (
 
 	"github.com/pgidem/pgidem/pgidem"
 )
-
-// createLedger creates the table the transactional tests write their effect to.
-func (b *testBundle) createLedger(t *testing.T) {
-	t.Helper()
-	_, err := b.db.Pool.Exec(b.ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, ref text NOT NULL)`)
-	require.NoError(t, err)
-}
-
-// ledgerRows counts the ledger rows for ref as seen outside any transaction.
-func (b *testBundle) ledgerRows(t *testing.T, ref string) int {
-	t.Helper()
-	var n int
-	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM ledger WHERE ref = $1`, ref).Scan(&n))
-	return n
-}
-
-func (b *testBundle) begin(t *testing.T) pgx.Tx {
-	t.Helper()
-	tx, err := b.db.Pool.Begin(b.ctx)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
-	return tx
-}
-
-// requireUsable asserts that tx has not been aborted.
-func requireUsable(t *testing.T, ctx context.Context, tx pgx.Tx) {
-	t.Helper()
-	var one int
-	require.NoError(t, tx.QueryRow(ctx, `SELECT 1`).Scan(&one), "the caller's transaction must stay usable")
-}
-
-// waitForBlocked waits until n backends of the test database wait for a lock of the given
-// type ("advisory", "transactionid"): a condition, not a timing assumption.
-func (b *testBundle) waitForBlocked(t *testing.T, lockType string, n int) {
-	t.Helper()
-	b.waitForLocks(t, lockType, false, n)
-}
-
-// waitForLocks waits until n locks of the given type are granted (or, with granted false,
-// waited for) by backends of the test database.
-func (b *testBundle) waitForLocks(t *testing.T, lockType string, granted bool, n int) {
-	t.Helper()
-	require.Eventually(t, func() bool {
-		var count int
-		err := b.db.Pool.QueryRow(b.ctx, `
-SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.granted = $2 AND l.locktype = $1 AND a.datname = current_database()`, lockType, granted).Scan(&count)
-		return err == nil && count >= n
-	}, 30*time.Second, 5*time.Millisecond)
-}
 
 // ledgerInsert is a DoTx fn that writes one ledger row and returns its id.
 func ledgerInsert(ref string, runs *atomic.Int32) func(ctx context.Context, tx pgx.Tx) (int64, error) {
@@ -521,19 +472,6 @@ func TestDoTxResultNotStorable(t *testing.T) {
 	})
 }
 
-func TestDoTxFingerprint(t *testing.T) {
-	t.Parallel()
-	b := setup(t, nil)
-	fn := func(ctx context.Context, tx pgx.Tx) (string, error) { return "v", nil }
-	_, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, &pgidem.DoOpts{Fingerprint: []byte("a")}, fn)
-	require.NoError(t, err)
-	_, err = pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, &pgidem.DoOpts{Fingerprint: []byte("b")}, fn)
-	require.ErrorIs(t, err, pgidem.ErrFingerprintMismatch)
-	v, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, &pgidem.DoOpts{Fingerprint: []byte("a")}, fn)
-	require.NoError(t, err)
-	require.Equal(t, "v", v)
-}
-
 func TestDoTxExpiredRecordRunsAgain(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -753,4 +691,766 @@ func TestDoTxRepeatableReadFailsInsteadOfDuplicating(t *testing.T) {
 	v, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, nil, fn)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, v, "the retry replays")
+}
+
+// DoTx whose fn's statement is cut off by the caller's deadline, and which then fails
+// permanently: storing the failure fails on the closed connection, which is the
+// deadline's doing, not the store's, so it is neither logged nor counted as a store error.
+func TestDoTxCallerDeadlineThenPermanent(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	coord, storeErrors := b.countStoreErrors(t, nil)
+	tx := b.begin(t)
+	ctx, cancel := context.WithTimeout(b.ctx, 200*time.Millisecond)
+	defer cancel()
+	_, err := pgidem.DoTx(ctx, coord, tx, "mail", "k", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		_, err := tx.Exec(ctx, "SELECT pg_sleep(5)")
+		require.Error(t, err)
+		return 0, pgidem.Permanent(errors.New("declined"))
+	})
+	notStored, ok := err.(*pgidem.FailureNotStoredError)
+	require.True(t, ok, "%T: %v", err, err)
+	require.ErrorIs(t, notStored.Cause, context.DeadlineExceeded)
+	require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+	require.Zero(t, storeErrors.Load())
+}
+
+// DoTx in a read-only transaction, which can never write the record, refuses before fn
+// runs.
+func TestDoTxReadOnlyTransaction(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	tx, err := b.db.Pool.BeginTx(b.ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(b.ctx) }()
+	_, err = pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
+		func(context.Context, pgx.Tx) (int, error) { panic("fn must not run") })
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.ErrorContains(t, err, "read-only")
+	var one int
+	require.NoError(t, tx.QueryRow(b.ctx, "SELECT 1").Scan(&one), "tx stays usable")
+}
+
+// A Do holder that reserves the key while DoTx's fn fails permanently: the failure is not
+// recorded (Do's live row is left alone) and DoTx decides again — here Raise, so
+// ErrInProgress — and once Do completes, its value is what everyone replays.
+func TestDoTxPermanentFailureYieldsToDoReservation(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var h *holder // Do holding the key, started from inside fn
+	tx := b.begin(t)
+	_, err := pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, raiseOpts(),
+		func(ctx context.Context, tx pgx.Tx) (string, error) {
+			// Do sees no record yet: DoTx has not written it
+			h = b.hold(b.coord, "mail", "k", nil, "from-do")
+			return "", pgidem.Permanent(errors.New("declined"))
+		})
+	require.ErrorIs(t, err, pgidem.ErrInProgress, "DoTx yields to Do's live reservation")
+	require.NotErrorIs(t, err, pgidem.ErrPermanent)
+	requireUsable(t, b.ctx, tx)
+	require.NoError(t, tx.Commit(b.ctx))
+
+	h.unblock()
+	require.NoError(t, <-h.done)
+	rec := b.lookup(t, "mail", "k")
+	require.Equal(t, pgidem.StatusCompleted, rec.Status)
+	v, err := pgidem.DoInTx(b.ctx, b.coord, "mail", "k", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "from-dotx", nil })
+	require.NoError(t, err)
+	require.Equal(t, "from-do", v)
+}
+
+// The same race under Wait: DoTx waits for the Do holder and holds no lock on its record
+// meanwhile, so the holder's heartbeat is never blocked, the live holder is never taken
+// over and its fn is not cancelled.
+func TestDoTxPermanentFailureWaitsWithoutLockingHolder(t *testing.T) {
+	t.Parallel()
+	const lease = 300 * time.Millisecond
+	b := setup(t, &pgidem.Config{Lease: lease})
+	holders := make(chan *holder, 1)
+	var runs atomic.Int32
+	tx := b.begin(t)
+	type outcome struct {
+		res pgidem.Result[string]
+		err error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "mail", "k", testTTL,
+			&pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: 30 * time.Second},
+			func(ctx context.Context, tx pgx.Tx) (string, error) {
+				if runs.Add(1) == 1 {
+					holders <- b.hold(b.coord, "mail", "k", nil, "from-do")
+				}
+				return "", pgidem.Permanent(errors.New("declined"))
+			})
+		done <- outcome{res, err}
+	}()
+	h := <-holders
+	// Four leases: long enough for a blocked heartbeat to lose the holder's lease.
+	time.Sleep(4 * lease)
+	select {
+	case out := <-done:
+		t.Fatalf("DoTx returned while the holder was alive: %+v, %v", out.res, out.err)
+	case err := <-h.done:
+		t.Fatalf("the holder ended before it was unblocked: %v", err)
+	default:
+	}
+	h.unblock()
+	require.NoError(t, <-h.done, "the live holder kept its lease")
+	out := <-done
+	require.NoError(t, out.err)
+	require.True(t, out.res.Replayed)
+	require.Equal(t, "from-do", out.res.Value)
+	require.Equal(t, int32(1), runs.Load())
+	require.NoError(t, tx.Commit(b.ctx))
+	rec := b.lookup(t, "mail", "k")
+	require.Equal(t, pgidem.StatusCompleted, rec.Status)
+	require.Equal(t, 1, rec.Attempts)
+}
+
+// A wait timeout above Postgres's lock_timeout maximum (INT_MAX ms, about 24.8 days) is
+// waited out in capped lock waits instead of failing; the caller's context bounds the wait
+// here.
+func TestDoTxWaitTimeoutAboveLockTimeoutMax(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	holder := b.holdKey(t, "ledger", "k")
+	defer holder.Rollback(b.ctx) //nolint:errcheck // test cleanup
+
+	ctx, cancel := context.WithCancel(b.ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		tx, err := b.db.Pool.Begin(ctx)
+		if err != nil {
+			done <- err
+			return
+		}
+		defer tx.Rollback(context.Background()) //nolint:errcheck // test cleanup
+		_, err = pgidem.DoTx(ctx, b.coord, tx, "ledger", "k", testTTL,
+			&pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: 30 * 24 * time.Hour},
+			func(ctx context.Context, tx pgx.Tx) (string, error) { return "waiter", nil })
+		done <- err
+	}()
+	// Either the waiter blocks on the advisory lock (correct) or it has already failed.
+	var early error
+	require.Eventually(t, func() bool {
+		select {
+		case early = <-done:
+			return true
+		default:
+		}
+		var waiting int
+		err := b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE NOT l.granted AND l.locktype = 'advisory' AND a.datname = current_database()`).Scan(&waiting)
+		return err == nil && waiting >= 1
+	}, 30*time.Second, 5*time.Millisecond)
+	require.NoError(t, early, "a long wait timeout must wait, not fail")
+	cancel()
+	require.ErrorIs(t, <-done, context.Canceled)
+}
+
+// Two transactions that take two keys in opposite order: Postgres detects the deadlock and
+// reports it to one of them (40P01, as a *StoreError), and the other commits; neither waits
+// out its WaitTimeout.
+func TestDoTxOppositeLockOrderIsADeadlock(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	opts := &pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: 15 * time.Second}
+
+	var holding sync.WaitGroup // both transactions hold their first key
+	holding.Add(2)
+	run := func(first, second string) error {
+		tx, err := b.db.Pool.Begin(b.ctx)
+		if err != nil {
+			holding.Done()
+			return err
+		}
+		defer tx.Rollback(context.Background()) //nolint:errcheck // a no-op after Commit
+		_, err = pgidem.DoTx(b.ctx, b.coord, tx, "ledger", first, testTTL, opts,
+			func(ctx context.Context, tx pgx.Tx) (string, error) {
+				holding.Done()
+				holding.Wait()
+				return pgidem.DoTx(ctx, b.coord, tx, "ledger", second, testTTL, opts,
+					func(ctx context.Context, tx pgx.Tx) (string, error) { return first + second, nil })
+			})
+		if err != nil {
+			return err
+		}
+		return tx.Commit(b.ctx)
+	}
+	errs := make(chan error, 2)
+	go func() { errs <- run("a", "b") }()
+	go func() { errs <- run("b", "a") }()
+
+	var deadlocks, commits int
+	for range 2 {
+		select {
+		case err := <-errs:
+			var pgErr *pgconn.PgError
+			var storeErr *pgidem.StoreError
+			switch {
+			case err == nil:
+				commits++
+			case errors.As(err, &storeErr) && errors.As(err, &pgErr) && pgErr.Code == "40P01":
+				deadlocks++
+			default:
+				t.Errorf("want a deadlock (40P01) or a commit, got %v", err)
+			}
+		case <-time.After(time.Minute):
+			t.Fatal("the transactions did not finish")
+		}
+	}
+	require.Equal(t, 1, deadlocks)
+	require.Equal(t, 1, commits)
+	require.NotNil(t, b.lookup(t, "ledger", "a"))
+	require.NotNil(t, b.lookup(t, "ledger", "b"))
+}
+
+// A contended DoTx waits for the lock holder and replays, whatever the caller's session
+// timeouts: it sets lock_timeout for the wait and lifts statement_timeout (so a shorter one
+// cannot cancel the wait), then puts both back.
+func TestDoTxLockTimeoutRestoredAfterWait(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	holder := b.holdKey(t, "ledger", "k")
+
+	type outcome struct {
+		res                      pgidem.Result[string]
+		lockTimeout, stmtTimeout string
+		err                      error
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		var out outcome
+		defer func() { done <- out }()
+		tx, err := b.db.Pool.Begin(b.ctx)
+		if err != nil {
+			out.err = err
+			return
+		}
+		defer tx.Rollback(b.ctx) //nolint:errcheck // test cleanup
+		if _, out.err = tx.Exec(b.ctx, `SET LOCAL lock_timeout = '7s'`); out.err != nil {
+			return
+		}
+		if _, out.err = tx.Exec(b.ctx, `SET LOCAL statement_timeout = '300ms'`); out.err != nil {
+			return
+		}
+		out.res, out.err = pgidem.DoTxResult(b.ctx, b.coord, tx, "ledger", "k", testTTL,
+			&pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: time.Minute},
+			func(ctx context.Context, tx pgx.Tx) (string, error) { return "waiter", nil })
+		if out.err == nil {
+			out.err = tx.QueryRow(b.ctx, `SELECT current_setting('lock_timeout'), current_setting('statement_timeout')`).
+				Scan(&out.lockTimeout, &out.stmtTimeout)
+		}
+	}()
+	b.waitForBlocked(t, "advisory", 1)
+	time.Sleep(600 * time.Millisecond) // the wait outlasts the caller's statement_timeout
+	require.NoError(t, holder.Commit(b.ctx))
+	out := <-done
+	require.NoError(t, out.err)
+	require.True(t, out.res.Replayed)
+	require.Equal(t, "holder", out.res.Value)
+	require.Equal(t, "7s", out.lockTimeout)
+	require.Equal(t, "300ms", out.stmtTimeout)
+}
+
+// DoTx in a savepoint the caller rolls back: the record and the advisory lock go with it,
+// so another transaction gets the key at once (Raise) and runs fn.
+func TestDoTxInRolledBackSavepoint(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	tx := b.begin(t)
+	sp, err := tx.Begin(b.ctx)
+	require.NoError(t, err)
+	_, err = pgidem.DoTx(b.ctx, b.coord, sp, "ledger", "k", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "first", nil })
+	require.NoError(t, err)
+	require.NoError(t, sp.Rollback(b.ctx))
+
+	res, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, raiseOpts(),
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "second", nil })
+	require.NoError(t, err, "the rolled-back savepoint released the lock")
+	require.Equal(t, "second", res)
+	requireUsable(t, b.ctx, tx)
+}
+
+// Two DoTx calls on one key in one transaction: the second replays the first's
+// uncommitted record (the advisory lock is re-entrant), fn runs once.
+func TestDoTxTwiceInOneTx(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.createLedger(t)
+	tx := b.begin(t)
+	var runs atomic.Int32
+	first, err := pgidem.DoTx(b.ctx, b.coord, tx, "ledger", "k", testTTL, raiseOpts(), ledgerInsert("r", &runs))
+	require.NoError(t, err)
+	res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "ledger", "k", testTTL, raiseOpts(), ledgerInsert("r", &runs))
+	require.NoError(t, err)
+	require.True(t, res.Replayed)
+	require.Equal(t, first, res.Value)
+	require.EqualValues(t, 1, runs.Load())
+	require.NoError(t, tx.Commit(b.ctx))
+	require.Equal(t, 1, b.ledgerRows(t, "r"))
+}
+
+// Do on a key whose DoTx record is still uncommitted in the same goroutine's transaction
+// waits for a commit that cannot come (the deadlock DoTxResult documents): its reserve
+// statement is bounded by Config.FinishTimeout, not by its ctx, and then Do fails with a
+// store error without running fn. DoTx in the same transaction replays instead.
+func TestDoTxThenDoInSameGoroutineBlocks(t *testing.T) {
+	t.Parallel()
+	for _, failOpen := range []bool{false, true} {
+		t.Run(fmt.Sprintf("FailOpen=%t", failOpen), func(t *testing.T) {
+			t.Parallel()
+			testDoTxThenDo(t, failOpen)
+		})
+	}
+}
+
+// testDoTxThenDo: with FailOpen too, the blocked reserve is not an unreachable store (the
+// store answered the read), so fn never runs beside the uncommitted DoTx record.
+func testDoTxThenDo(t *testing.T, failOpen bool) {
+	const finishTimeout = 300 * time.Millisecond
+	b := setup(t, &pgidem.Config{FinishTimeout: finishTimeout, FailOpen: failOpen})
+	tx := b.begin(t)
+	_, err := pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "from-dotx", nil })
+	require.NoError(t, err)
+
+	ctx, cancel := context.WithTimeout(b.ctx, time.Minute) // bounds the test, not Do
+	defer cancel()
+	var ran atomic.Bool
+	start := time.Now()
+	_, err = pgidem.Do(ctx, b.coord, "mail", "k", testTTL, nil,
+		func(ctx context.Context) (string, error) { ran.Store(true); return "from-do", nil })
+	require.ErrorIs(t, err, pgidem.ErrStoreUnavailable)
+	var storeErr *pgidem.StoreError
+	require.ErrorAs(t, err, &storeErr)
+	require.Equal(t, "reserve", storeErr.Op)
+	require.GreaterOrEqual(t, time.Since(start), finishTimeout)
+	require.False(t, ran.Load())
+
+	v, err := pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "again", nil })
+	require.NoError(t, err)
+	require.Equal(t, "from-dotx", v)
+	require.NoError(t, tx.Commit(b.ctx))
+}
+
+// Under REPEATABLE READ, DoTx waiting for a Do holder never sees it finish (each poll
+// reads the transaction's snapshot): the wait ends with ErrInProgress at the wait timeout
+// although Do completed meanwhile.
+func TestDoTxRepeatableReadWaitForDoTimesOut(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.hold(b.coord, "mail", "k", nil, "from-do")
+
+	tx, err := b.db.Pool.BeginTx(b.ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	require.NoError(t, err)
+	defer tx.Rollback(b.ctx)    //nolint:errcheck // test cleanup
+	requireUsable(t, b.ctx, tx) // takes the snapshot: Do's row in progress
+
+	h.unblock()
+	require.NoError(t, <-h.done)
+	require.Equal(t, pgidem.StatusCompleted, b.lookup(t, "mail", "k").Status)
+
+	var ran atomic.Bool
+	_, err = pgidem.DoTx(b.ctx, b.coord, tx, "mail", "k", testTTL, &pgidem.DoOpts{WaitTimeout: 300 * time.Millisecond},
+		func(ctx context.Context, tx pgx.Tx) (string, error) { ran.Store(true); return "from-dotx", nil })
+	var inProgress *pgidem.InProgressError
+	require.ErrorAs(t, err, &inProgress, "the snapshot still shows Do in progress")
+	require.True(t, inProgress.Waited)
+	require.False(t, ran.Load())
+	requireUsable(t, b.ctx, tx)
+}
+
+// A result jsonb refuses (class 22 or 54) is the caller's value at fault, not a store
+// outage: DoTx returns ErrResultNotStorable, rolls fn's writes back and stores nothing, so
+// the next call runs fn again. It is not reported or logged as ErrStoreUnavailable.
+func TestDoTxResultRefusedByJSONB(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.createLedger(t)
+	deep := func() any {
+		v := any([]any{})
+		for range 50000 {
+			v = []any{v}
+		}
+		return v
+	}
+	for name, value := range map[string]any{
+		"Surrogate": json.RawMessage(`"\ud800"`),
+		"TooDeep":   deep(),
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, err := pgidem.DoInTx(b.ctx, b.coord, "t", name, testTTL, nil, func(ctx context.Context, tx pgx.Tx) (any, error) {
+				_, err := tx.Exec(ctx, `INSERT INTO ledger (ref) VALUES ($1)`, name)
+				return value, err
+			})
+			require.ErrorIs(t, err, pgidem.ErrResultNotStorable)
+			require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+			_, err = b.coord.Lookup(b.ctx, "t", name)
+			require.ErrorIs(t, err, pgidem.ErrNotFound)
+			var n int
+			require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM ledger WHERE ref = $1`, name).Scan(&n))
+			require.Zero(t, n, "fn's writes were rolled back")
+		})
+	}
+}
+
+// Under REPEATABLE READ and SERIALIZABLE, an expired record that a sweep deletes after the
+// caller's snapshot behaves like no record: DoTx inserts afresh. (A version of the upsert
+// that locked the old row first failed here with a serialization failure.)
+func TestDoTxSweptExpiredRecordUnderRepeatableRead(t *testing.T) {
+	t.Parallel()
+	for _, iso := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable} {
+		t.Run(string(iso), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			_, err := b.db.Pool.Exec(b.ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, result, expires_at)
+				VALUES ('t', 'k', 'completed', gen_random_uuid(), '0', now() - interval '1 second')`)
+			require.NoError(t, err)
+			tx, err := b.db.Pool.BeginTx(b.ctx, pgx.TxOptions{IsoLevel: iso})
+			require.NoError(t, err)
+			defer tx.Rollback(b.ctx) //nolint:errcheck // a no-op after commit
+			res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "t", "k", testTTL, nil, func(ctx context.Context, _ pgx.Tx) (int, error) {
+				swept, err := b.coord.Sweep(ctx, nil) // another session deletes the expired row
+				require.NoError(t, err)
+				require.EqualValues(t, 1, swept.Records)
+				return 1, nil
+			})
+			require.NoError(t, err)
+			require.Equal(t, 1, res.Value)
+			require.Equal(t, 1, res.Attempts)
+			require.False(t, res.TookOver)
+			require.NoError(t, tx.Commit(b.ctx))
+		})
+	}
+}
+
+// DoTx's savepoints are released on every path, also when they are rolled back: ROLLBACK
+// TO SAVEPOINT alone keeps the savepoint open, and a transaction looping over DoTx calls
+// that fail nested one subtransaction per call. After many failing calls and a write, the
+// transaction holds one transaction id, not one per call, and no pgidem savepoint is left.
+func TestDoTxErrorsLeaveNoSavepoints(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	tx := b.begin(t)
+	failed := errors.New("fn failed")
+	for i := range 70 {
+		fn := func(context.Context, pgx.Tx) (int, error) { return 0, failed }
+		if i%2 == 1 {
+			fn = func(context.Context, pgx.Tx) (int, error) { return 0, pgidem.Permanent(failed) }
+		}
+		_, err := pgidem.DoTx(b.ctx, b.coord, tx, "ledger", fmt.Sprintf("k-%d", i), testTTL, nil, fn)
+		require.ErrorIs(t, err, failed)
+	}
+	_, err := pgidem.DoTx(b.ctx, b.coord, tx, "ledger", "ok", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
+	require.NoError(t, err)
+	var xids int
+	require.NoError(t, tx.QueryRow(b.ctx, `SELECT count(*) FROM pg_locks
+		WHERE locktype = 'transactionid' AND pid = pg_backend_pid()`).Scan(&xids))
+	require.LessOrEqual(t, xids, 2, "the transaction's id (and at most one subtransaction's), not one per DoTx call")
+	_, err = tx.Exec(b.ctx, "RELEASE SAVEPOINT pgidem_dotx")
+	require.ErrorContains(t, err, "3B001", "no pgidem savepoint is left open")
+}
+
+// A fn that swallows the error of one of its statements and returns nil leaves the
+// transaction aborted. DoTx, DoInTx and InboxHandle say so, and that it is fn's mistake, not
+// a store error (nothing is logged at error or counted). Nothing of fn's is committed, and
+// the next delivery runs fn again.
+func TestFnSwallowingAFailedStatement(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	coord, storeErrors := b.countStoreErrors(t, nil)
+	swallow := func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, "INSERT INTO effects (id) VALUES (1)")
+		require.NoError(t, err)
+		_, err = tx.Exec(ctx, "SELECT 1/0")
+		require.Error(t, err)
+		return nil
+	}
+	_, err := b.db.Pool.Exec(b.ctx, "CREATE TABLE effects (id int PRIMARY KEY)")
+	require.NoError(t, err)
+	check := func(t *testing.T, err error) {
+		t.Helper()
+		require.ErrorContains(t, err, "fn returned nil after one of its statements failed")
+		require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+		var effects int
+		require.NoError(t, b.db.Pool.QueryRow(b.ctx, "SELECT count(*) FROM effects").Scan(&effects))
+		require.Zero(t, effects)
+	}
+
+	_, err = coord.InboxHandle(b.ctx, "billing", "m1", nil, swallow)
+	check(t, err)
+	var inbox int
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, "SELECT count(*) FROM pgidem_inbox").Scan(&inbox))
+	require.Zero(t, inbox, "the message is not marked handled")
+
+	_, err = pgidem.DoInTx(b.ctx, coord, "mail", "k1", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		return 1, swallow(ctx, tx)
+	})
+	check(t, err)
+
+	tx := b.begin(t)
+	_, err = pgidem.DoTx(b.ctx, coord, tx, "mail", "k2", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		return 1, swallow(ctx, tx)
+	})
+	check(t, err)
+	requireUsable(t, b.ctx, tx)
+	require.NoError(t, tx.Commit(b.ctx))
+	require.Zero(t, b.count(t), "no record was written")
+	require.Zero(t, storeErrors.Load())
+
+	v, err := pgidem.DoInTx(b.ctx, coord, "mail", "k1", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int, error) {
+		_, err := tx.Exec(ctx, "INSERT INTO effects (id) VALUES (1)")
+		return 2, err
+	})
+	require.NoError(t, err, "the next delivery runs fn again")
+	require.Equal(t, 2, v)
+}
+
+// A transaction an earlier failed statement aborted, given to DoTx: an error matching
+// ErrInvalidArgument, neither logged nor counted as a store error, and fn does not run.
+func TestDoTxOnAbortedTransaction(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	coord, storeErrors := b.countStoreErrors(t, nil)
+	tx := b.begin(t)
+	_, err := tx.Exec(b.ctx, "SELECT 1/0")
+	require.Error(t, err)
+	ran := false
+	_, err = pgidem.DoTx(b.ctx, coord, tx, "mail", "k", testTTL, nil, func(context.Context, pgx.Tx) (int, error) {
+		ran = true
+		return 1, nil
+	})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.NotErrorIs(t, err, pgidem.ErrStoreUnavailable)
+	require.False(t, ran)
+	require.Zero(t, storeErrors.Load())
+}
+
+// fn returns a Permanent error as the caller's context ends: the failure cannot be stored
+// on that context, and fn's writes are still undone (the rollback to the savepoint runs on
+// a context of its own), so a caller that commits keeps no effect without a record.
+func TestDoTxPermanentAfterCancelUndoesWrites(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.createLedger(t)
+	var runs atomic.Int32
+	fn := func(cancel context.CancelFunc) func(ctx context.Context, tx pgx.Tx) (string, error) {
+		return func(ctx context.Context, tx pgx.Tx) (string, error) {
+			runs.Add(1)
+			if _, err := tx.Exec(ctx, `INSERT INTO ledger (ref) VALUES ('charge')`); err != nil {
+				return "", err
+			}
+			cancel() // the caller's deadline passes as fn returns
+			return "", pgidem.Permanent(errors.New("card declined"))
+		}
+	}
+	tx := b.begin(t)
+	ctx, cancel := context.WithCancel(b.ctx)
+	defer cancel()
+	_, err := pgidem.DoTx(ctx, b.coord, tx, "charge", "order-1", testTTL, nil, fn(cancel))
+	require.ErrorIs(t, err, pgidem.ErrPermanent)
+	require.ErrorContains(t, err, "the failure was not stored")
+	_, top := err.(*pgidem.FailureNotStoredError)
+	require.True(t, top, "pgidem's verdict is the top-level error: %T", err)
+	requireUsable(t, b.ctx, tx)
+	var inTx int
+	require.NoError(t, tx.QueryRow(b.ctx, `SELECT count(*) FROM ledger WHERE ref = 'charge'`).Scan(&inTx))
+	require.Zero(t, inTx, "fn's writes are undone")
+	require.NoError(t, tx.Commit(b.ctx))
+
+	_, err = pgidem.DoInTx(b.ctx, b.coord, "charge", "order-1", testTTL, nil, fn(func() {}))
+	require.ErrorIs(t, err, pgidem.ErrPermanent)
+	require.Zero(t, b.ledgerRows(t, "charge"), "a permanent failure never commits its writes")
+}
+
+// fn calling DoTx (or Do) on its own key is refused at once: a nested DoTx in the same
+// transaction does not find its own record and run fn again, and Do inside Do's fn does not
+// wait for itself.
+func TestCallForHeldKeyFromFn(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.createLedger(t)
+	var outer, inner atomic.Int32
+	_, err := pgidem.DoInTx(b.ctx, b.coord, "ledger", "k", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			outer.Add(1)
+			return pgidem.DoTx(ctx, b.coord, tx, "ledger", "k", testTTL, nil, ledgerInsert("r", &inner))
+		})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.EqualValues(t, 1, outer.Load())
+	require.Zero(t, inner.Load())
+	require.Zero(t, b.ledgerRows(t, "r"))
+
+	_, err = pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(ctx context.Context) (int, error) {
+		return pgidem.Do(ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+	})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+
+	// Through another key (A's fn calls B, B's fn calls A): refused too. DoTx sees every
+	// key held on the way in, not only the innermost one, so A's fn never runs again
+	// inside B's.
+	outer.Store(0)
+	var middle atomic.Int32
+	var fnA func(ctx context.Context, tx pgx.Tx) (int64, error)
+	fnA = func(ctx context.Context, tx pgx.Tx) (int64, error) {
+		if outer.Add(1) > 3 {
+			return 0, errors.New("A ran again inside itself")
+		}
+		return pgidem.DoTx(ctx, b.coord, tx, "ledger", "B", testTTL, nil, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			middle.Add(1)
+			return pgidem.DoTx(ctx, b.coord, tx, "ledger", "A", testTTL, nil, fnA)
+		})
+	}
+	_, err = pgidem.DoInTx(b.ctx, b.coord, "ledger", "A", testTTL, nil, fnA)
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	require.EqualValues(t, 1, outer.Load())
+	require.EqualValues(t, 1, middle.Load())
+	_, err = pgidem.Do(b.ctx, b.coord, "mail", "A", testTTL, nil, func(ctx context.Context) (int, error) {
+		return pgidem.Do(ctx, b.coord, "mail", "B", testTTL, nil, func(ctx context.Context) (int, error) {
+			return pgidem.Do(ctx, b.coord, "mail", "A", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
+		})
+	})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+
+	// Another key from within fn is fine.
+	_, err = pgidem.DoInTx(b.ctx, b.coord, "ledger", "outer", testTTL, nil,
+		func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			return pgidem.DoTx(ctx, b.coord, tx, "ledger", "inner", testTTL, nil, ledgerInsert("inner", &inner))
+		})
+	require.NoError(t, err)
+	require.Equal(t, 1, b.ledgerRows(t, "inner"))
+}
+
+// DoTx waiting for a Do holder leaves tx idle between its reads; each sleep stays inside
+// the session's idle_in_transaction_session_timeout, which would otherwise end the
+// caller's transaction (a sleep could reach 1.5 × PollIntervalMax, 1.5 s by default).
+func TestDoTxWaitForDoKeepsTxAlive(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	h := b.hold(b.coord, "mail", "k", nil, "from-do")
+	tx := b.begin(t)
+	_, err := tx.Exec(b.ctx, `SET LOCAL idle_in_transaction_session_timeout = '1s'`)
+	require.NoError(t, err)
+	go func() {
+		time.Sleep(4 * time.Second) // several of the waiter's longest sleeps
+		h.unblock()
+	}()
+	res, err := pgidem.DoTxResult(b.ctx, b.coord, tx, "mail", "k", testTTL,
+		&pgidem.DoOpts{InFlight: pgidem.InFlightWait, WaitTimeout: 30 * time.Second},
+		func(ctx context.Context, tx pgx.Tx) (string, error) { return "from-dotx", nil })
+	require.NoError(t, <-h.done)
+	require.NoError(t, err)
+	require.True(t, res.Replayed)
+	require.Equal(t, "from-do", res.Value)
+	requireUsable(t, b.ctx, tx)
+}
+
+// Coordinators on two different named schemas hold different records: a call for the
+// same namespace and key on the other's coordinator from within fn is allowed (the guard
+// compares the schema too). The default schema ("", the search_path's) may be any named
+// one, so "" beside "public" is still refused: that nesting would wait for itself.
+func TestHeldKeyGuardIsPerSchema(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	_, err := b.db.Pool.Exec(b.ctx, `CREATE SCHEMA tenant2;
+		CREATE TABLE tenant2.pgidem_record (LIKE public.pgidem_record INCLUDING ALL)`)
+	require.NoError(t, err)
+	public := b.newCoord(t, &pgidem.Config{Schema: "public"})
+	tenant2 := b.newCoord(t, &pgidem.Config{Schema: "tenant2"})
+	v, err := pgidem.Do(b.ctx, public, "mail", "k", testTTL, nil, func(ctx context.Context) (int, error) {
+		return pgidem.Do(ctx, tenant2, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 7, nil })
+	})
+	require.NoError(t, err)
+	require.Equal(t, 7, v)
+
+	_, err = pgidem.Do(b.ctx, b.coord, "mail", "k2", testTTL, nil, func(ctx context.Context) (int, error) {
+		return pgidem.Do(ctx, public, "mail", "k2", testTTL, nil, func(context.Context) (int, error) { return 7, nil })
+	})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+	_, err = b.coord.InboxHandle(b.ctx, "c", "m", nil, func(ctx context.Context, _ pgx.Tx) error {
+		_, err := public.InboxHandle(ctx, "c", "m", nil, func(context.Context, pgx.Tx) error { return nil })
+		return err
+	})
+	require.ErrorIs(t, err, pgidem.ErrInvalidArgument)
+}
+
+// Replays through DoTx return what fn returned (TestReplayExactValues covers Do): zero
+// values, nil pointers, empty and nil slices, null in a map.
+func TestDoTxReplayExactValues(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	type receipt struct {
+		ID   string
+		Tags []string
+		Ptr  *int
+	}
+	check := func(name string, run func(key string) (any, bool, error), want any) {
+		t.Helper()
+		got, replayed, err := run(name)
+		require.NoError(t, err, name)
+		require.False(t, replayed, name)
+		require.Equal(t, want, got, name)
+		got, replayed, err = run(name)
+		require.NoError(t, err, name)
+		require.True(t, replayed, name)
+		require.Equal(t, want, got, "replay of %s", name)
+	}
+	doTx := func(v any) func(string) (any, bool, error) {
+		return func(key string) (any, bool, error) {
+			tx, err := b.db.Pool.Begin(b.ctx)
+			require.NoError(t, err)
+			defer tx.Rollback(b.ctx) //nolint:errcheck // test cleanup
+			var got any
+			var replayed bool
+			switch v := v.(type) {
+			case int:
+				r, err2 := pgidem.DoTxResult(b.ctx, b.coord, tx, "t", key, testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return v, nil })
+				got, replayed, err = r.Value, r.Replayed, err2
+			case string:
+				r, err2 := pgidem.DoTxResult(b.ctx, b.coord, tx, "t", key, testTTL, nil, func(context.Context, pgx.Tx) (string, error) { return v, nil })
+				got, replayed, err = r.Value, r.Replayed, err2
+			case *receipt:
+				r, err2 := pgidem.DoTxResult(b.ctx, b.coord, tx, "t", key, testTTL, nil, func(context.Context, pgx.Tx) (*receipt, error) { return v, nil })
+				got, replayed, err = r.Value, r.Replayed, err2
+			case receipt:
+				r, err2 := pgidem.DoTxResult(b.ctx, b.coord, tx, "t", key, testTTL, nil, func(context.Context, pgx.Tx) (receipt, error) { return v, nil })
+				got, replayed, err = r.Value, r.Replayed, err2
+			case []string:
+				r, err2 := pgidem.DoTxResult(b.ctx, b.coord, tx, "t", key, testTTL, nil, func(context.Context, pgx.Tx) ([]string, error) { return v, nil })
+				got, replayed, err = r.Value, r.Replayed, err2
+			case map[string]any:
+				r, err2 := pgidem.DoTxResult(b.ctx, b.coord, tx, "t", key, testTTL, nil, func(context.Context, pgx.Tx) (map[string]any, error) { return v, nil })
+				got, replayed, err = r.Value, r.Replayed, err2
+			default:
+				panic(fmt.Sprintf("unhandled %T", v))
+			}
+			if err == nil {
+				err = tx.Commit(b.ctx)
+			}
+			return got, replayed, err
+		}
+	}
+	for name, v := range map[string]any{
+		"ZeroInt":       0,
+		"EmptyString":   "",
+		"NilPointer":    (*receipt)(nil),
+		"ZeroStruct":    receipt{},
+		"EmptySlice":    []string{},
+		"NilSlice":      []string(nil),
+		"NilMap":        map[string]any(nil),
+		"JSONNullInMap": map[string]any{"a": nil},
+		"EmptySliceIn":  receipt{Tags: []string{}},
+	} {
+		check(name, doTx(v), v)
+	}
+	// The stored form of a nil result is JSON null, not SQL NULL.
+	var isJSONNull bool
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT result = 'null'::jsonb FROM pgidem_record WHERE key = 'NilPointer'`).Scan(&isJSONNull))
+	require.True(t, isJSONNull)
 }

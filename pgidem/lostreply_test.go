@@ -1,69 +1,17 @@
 package pgidem_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
-	"net"
-	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
-	"unicode/utf8"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/pgidem"
 )
-
-// lostReplyConn passes a connection's traffic through, except that after the client sent a
-// message containing marker (the first time, across all connections of its dialer) it
-// lets the server run and commit the statement, then closes the connection and discards
-// the reply: a write that committed but whose reply was lost.
-type lostReplyConn struct {
-	net.Conn
-	d    *lostReplyDialer
-	lost atomic.Bool // the marked message was sent: every read from now on fails
-}
-
-type lostReplyDialer struct {
-	marker []byte
-	fired  atomic.Bool
-	// unsent, when set, closes the connection instead of sending the marked message: a
-	// write that fails on a broken connection, with nothing applied.
-	unsent bool
-}
-
-func (c *lostReplyConn) Write(p []byte) (int, error) {
-	if bytes.Contains(p, c.d.marker) && c.d.fired.CompareAndSwap(false, true) {
-		if c.d.unsent {
-			_ = c.Conn.Close()
-			return 0, net.ErrClosed
-		}
-		c.lost.Store(true)
-	}
-	return c.Conn.Write(p)
-}
-
-func (c *lostReplyConn) Read(p []byte) (int, error) {
-	n, err := c.Conn.Read(p)
-	if c.lost.Load() {
-		time.Sleep(300 * time.Millisecond) // the server runs and commits the statement
-		_ = c.Conn.Close()
-		return 0, net.ErrClosed
-	}
-	return n, err
-}
-
-func (d *lostReplyDialer) dial(ctx context.Context, network, addr string) (net.Conn, error) {
-	conn, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-	if err != nil {
-		return nil, err
-	}
-	return &lostReplyConn{Conn: conn, d: d}, nil
-}
 
 // lostReplyPool returns a pool on the bundle's database whose first statement containing
 // marker loses its reply. Statements are sent with their text each time (no statement
@@ -72,22 +20,6 @@ func (b *testBundle) lostReplyPool(t *testing.T, marker string) (*pgxpool.Pool, 
 	t.Helper()
 	d := &lostReplyDialer{marker: []byte(marker)}
 	return b.dialerPool(t, d, nil), d
-}
-
-// dialerPool returns a pool on the bundle's database whose connections d makes, sending
-// statements with their text each time and without TLS, so d sees them on the wire;
-// configure (which may be nil) adjusts the rest of its config.
-func (b *testBundle) dialerPool(t *testing.T, d *lostReplyDialer, configure func(*pgxpool.Config)) *pgxpool.Pool {
-	t.Helper()
-	return b.newPool(t, func(cfg *pgxpool.Config) {
-		if configure != nil {
-			configure(cfg)
-		}
-		cfg.ConnConfig.DialFunc = d.dial
-		cfg.ConnConfig.TLSConfig = nil
-		cfg.ConnConfig.Fallbacks = nil
-		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
-	})
 }
 
 // A release whose reply is lost after it committed is retried; the retry finds the first
@@ -118,7 +50,7 @@ func TestKeptReleaseLostReply(t *testing.T) {
 	b := setup(t, nil)
 	pool, d := b.lostReplyPool(t, "WITH deleted AS")
 	coord := b.newCoordOn(t, pool, nil)
-	reviewInsert(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
+	insertRecord(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
 	transient := errors.New("transient")
 	res, err := pgidem.DoResult(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 0, transient })
 	require.ErrorIs(t, err, transient)
@@ -126,7 +58,7 @@ func TestKeptReleaseLostReply(t *testing.T) {
 	require.True(t, d.fired.Load(), "the release's reply was lost")
 	rec := b.lookup(t, "mail", "k")
 	require.Equal(t, 2, rec.Attempts)
-	res, err = pgidem.DoResult(b.ctx, b.coord, "mail", "k", testTTL, reviewRaise(), func(context.Context) (int, error) { return 1, nil })
+	res, err = pgidem.DoResult(b.ctx, b.coord, "mail", "k", testTTL, raiseOpts(), func(context.Context) (int, error) { return 1, nil })
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Attempts)
 }
@@ -164,33 +96,6 @@ func TestReleaseRetryAfterConnectFailureReportsTakeover(t *testing.T) {
 	require.Equal(t, 2, b.lookup(t, "mail", "k").Attempts)
 }
 
-// A failure message too long to keep is cut, so the failure is still stored and replayed
-// (jsonb refuses strings over 256 MiB; a record is no log). Do and DoInTx alike.
-func TestLongFailureMessageTruncated(t *testing.T) {
-	t.Parallel()
-	b := setup(t, nil)
-	long := strings.Repeat("é", 100_000) // 200 KB, cut at a character boundary
-	check := func(t *testing.T, err error) {
-		t.Helper()
-		var stored *pgidem.StoredFailureError
-		require.ErrorAs(t, err, &stored)
-		require.True(t, strings.HasSuffix(stored.Message, "(truncated)"), stored.Message[len(stored.Message)-40:])
-		require.LessOrEqual(t, len(stored.Message), 64<<10)
-		require.True(t, utf8.ValidString(stored.Message))
-	}
-	permanent := pgidem.Permanent(errors.New(long))
-
-	_, err := pgidem.Do(b.ctx, b.coord, "t", "do", testTTL, nil, func(context.Context) (int, error) { return 0, permanent })
-	require.ErrorIs(t, err, pgidem.ErrPermanent)
-	_, err = pgidem.Do(b.ctx, b.coord, "t", "do", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
-	check(t, err)
-
-	_, err = pgidem.DoInTx(b.ctx, b.coord, "t", "dotx", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 0, permanent })
-	require.ErrorIs(t, err, pgidem.ErrPermanent)
-	_, err = pgidem.DoInTx(b.ctx, b.coord, "t", "dotx", testTTL, nil, func(context.Context, pgx.Tx) (int, error) { return 1, nil })
-	check(t, err)
-}
-
 // A reserving write whose reply is lost after it committed is not abandoned: the call finds
 // its own owner token on the row and holds the reservation it made, so fn runs once and a
 // takeover is reported only when there was one. Without the recovery the call failed with
@@ -216,7 +121,7 @@ func TestReserveLostReply(t *testing.T) {
 			pool, d := b.lostReplyPool(t, tc.marker)
 			coord := b.newCoordOn(t, pool, nil)
 			if tc.expiredLease {
-				reviewInsert(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
+				insertRecord(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
 			}
 			var runs atomic.Int32
 			res, err := pgidem.DoResult(b.ctx, coord, "mail", "k", testTTL, tc.opts, func(context.Context) (int, error) {

@@ -147,9 +147,9 @@ func TestUnusableTransaction(t *testing.T) {
 	}
 }
 
-// InboxHandle, DoInTx and Sweep begin their transactions READ WRITE: on a pool whose sessions
-// default to read-only transactions they still record, where they used to report the
-// caller's read-only transaction (DoInTx) or a store error.
+// InboxHandle, DoInTx and Sweep begin their transactions READ WRITE: on a pool whose
+// sessions default to read-only transactions they still record, instead of reporting a
+// read-only transaction or a store error.
 func TestOwnTransactionsAreReadWrite(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

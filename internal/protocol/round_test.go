@@ -2,12 +2,10 @@ package protocol
 
 import (
 	"bytes"
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"log/slog"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -15,7 +13,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -205,26 +202,6 @@ func TestBatcherPanickingRoundReleasesWaiters(t *testing.T) {
 	}, 10*time.Second, time.Millisecond, "the batcher is free again")
 }
 
-// batchFixture is a coordinator on a fresh database, for driving rounds directly.
-func batchFixture(t *testing.T) (*Engine, *testdb.DB) {
-	t.Helper()
-	db := testdb.New(t)
-	c, err := newTestEngine(db.Pool, Settings{MinTTL: 2 * time.Second, Lease: time.Second})
-	require.NoError(t, err)
-	return c, db
-}
-
-func reserveItems(t *testing.T, c *Engine, keys ...string) []*batchItem[reserveReq, store.Row] {
-	t.Helper()
-	var items []*batchItem[reserveReq, store.Row]
-	for _, k := range keys {
-		cl, err := c.newCall("ns", k, time.Hour, nil)
-		require.NoError(t, err)
-		items = append(items, &batchItem[reserveReq, store.Row]{req: reserveReq{ctx: context.Background(), cl: cl, Owner: store.NewOwner()}})
-	}
-	return items
-}
-
 func TestRoundReservesManyKeys(t *testing.T) {
 	c, db := batchFixture(t)
 	ctx := context.Background()
@@ -356,9 +333,8 @@ func reserveInBackground(ctx context.Context, c *Engine, key string) chan error 
 // A round takes its members only once it has a connection. A leader whose context ends
 // while it waits for one gets its context's error and takes no one: the callers queued
 // behind it stay queued, the next of them leads on its own context, and one whose context
-// ends meanwhile leaves the queue at once with its context's error, nothing sent. (A
-// queued caller used to wait for the leader's connection, up to FinishTimeout, whatever
-// its own context did: River's StopAndCancel waited for it.)
+// ends meanwhile leaves the queue at once with its context's error, nothing sent (a
+// queued caller never waits on the leader's context or FinishTimeout).
 func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
 	_, db := batchFixture(t)
 	ctx := context.Background()
@@ -403,7 +379,6 @@ func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
 // A leader whose wait for a connection outlasts FinishTimeout fails, with a store error,
 // only the callers queued behind it for FinishTimeout or longer; one that queued late
 // stays queued, leads next on its own time, and gets the connection once one is free.
-// (Every queued caller used to get the leader's error, however briefly it had waited.)
 func TestRoundTimeoutFailsOnlyMembersThatWaitedAsLong(t *testing.T) {
 	_, db := batchFixture(t)
 	ctx := context.Background()
@@ -431,8 +406,7 @@ func TestRoundTimeoutFailsOnlyMembersThatWaitedAsLong(t *testing.T) {
 // and the reservation the round made for it is released on the round's connection before
 // the round gives it back; the other members keep theirs. When the first release breaks
 // that connection (here on a pool of one), it is given back and the releases go on on the
-// pool: they used to wait for the pool's only connection, which the round still held,
-// until FinishTimeout, and fail.
+// pool instead of waiting for the connection the round held.
 func TestRoundReleasesMembersWhoseContextEnded(t *testing.T) {
 	for _, broke := range []bool{false, true} {
 		t.Run(map[bool]string{false: "Released", true: "ConnectionBroke"}[broke], func(t *testing.T) {
@@ -536,157 +510,6 @@ func TestRoundDoesNotWaitBehindAnOpenTransaction(t *testing.T) {
 	require.Equal(t, "0", lockTimeout, "the guard's setting ended with its statement")
 }
 
-// A completion repeated after its reply was lost (a retry, or a fallback after a round timed
-// out) finds its own completed row and succeeds, instead of reporting a lost lease.
-func TestCompletionIsSafeToRepeat(t *testing.T) {
-	c, _ := batchFixture(t)
-	ctx := context.Background()
-	items := reserveItems(t, c, "a", "b")
-	c.runReserves(ctx, items)
-	completes := func() []*batchItem[completeReq, struct{}] {
-		var out []*batchItem[completeReq, struct{}]
-		for _, it := range items {
-			out = append(out, &batchItem[completeReq, struct{}]{req: completeReq{cl: it.req.cl, Owner: it.req.Owner,
-				Status: store.StatusCompleted, Result: []byte(`"v"`)}})
-		}
-		return out
-	}
-	for round := range 2 { // a round of many, then the same writes again
-		cs := completes()
-		c.runCompletes(ctx, cs)
-		for _, it := range cs {
-			require.NoError(t, it.err, "round %d", round)
-		}
-	}
-	cs := completes()[:1]
-	c.runCompletes(ctx, cs) // a round of one
-	require.NoError(t, cs[0].err)
-	require.NoError(t, c.finish(ctx, items[0].req.cl, items[0].req.Owner, "complete", c.sql.Complete,
-		store.StatusCompleted, store.JSONText([]byte(`"v"`)), nil, store.Micros(time.Hour)), "the single-key write too")
-	require.ErrorIs(t, c.finish(ctx, items[0].req.cl, store.NewOwner(), "complete", c.sql.Complete,
-		store.StatusCompleted, store.JSONText([]byte(`"v"`)), nil, store.Micros(time.Hour)), errFinishNoRow, "another owner still matches nothing")
-}
-
-// The heartbeat renews the lease while the finishing write waits for its round, so a slow
-// round never lets another caller take the key over.
-func TestHeartbeatCoversAQueuedCompletion(t *testing.T) {
-	t.Parallel()
-	db := testdb.New(t)
-	// A lease long enough that a busy machine's slow commits do not lose it: the test is
-	// about the renewals continuing, not about their speed.
-	c, err := newTestEngine(db.Pool, Settings{MinTTL: 5 * time.Second, Lease: time.Second})
-	require.NoError(t, err)
-	ctx := context.Background()
-	inRound, proceed := make(chan struct{}), make(chan struct{})
-	run := c.completes.run
-	c.completes.run = func(ctx context.Context, leader *batchItem[completeReq, struct{}], take func(time.Duration) []*batchItem[completeReq, struct{}]) {
-		close(inRound)
-		<-proceed // the round is slow: longer than a lease
-		run(ctx, leader, take)
-	}
-	done := make(chan error, 1)
-	go func() {
-		_, err := doString(ctx, c, "ns", "k", time.Hour, nil, func(context.Context) (string, error) { return "v", nil })
-		done <- err
-	}()
-	<-inRound
-	time.Sleep(3 * time.Second) // three leases
-	var leaseLive bool
-	require.NoError(t, db.Pool.QueryRow(ctx,
-		"SELECT lease_expires_at > now() FROM pgidem_record WHERE key = 'k'").Scan(&leaseLive))
-	require.True(t, leaseLive, "the lease was renewed while the completion waited")
-	_, err = doString(ctx, c, "ns", "k", time.Hour, &Opts{InFlight: InFlightRaise}, func(context.Context) (string, error) {
-		return "second", nil
-	})
-	require.ErrorIs(t, err, ErrInProgress, "no takeover while the holder finishes")
-	close(proceed)
-	require.NoError(t, <-done)
-	rec, err := c.Lookup(ctx, c.pool, "ns", "k")
-	require.NoError(t, err)
-	require.Equal(t, store.StatusCompleted, rec.Status)
-	require.Equal(t, 1, rec.Attempts)
-}
-
-// Releasing is safe to repeat (finish retries a write whose reply was lost): a kept
-// (taken-over) reservation matches again and keeps its attempts; it used to be decremented
-// again, or deleted once it reached 1.
-func TestReleaseRepeatable(t *testing.T) {
-	c, db := batchFixture(t)
-	ctx := context.Background()
-	cl, owner := heldTakenOver(t, c, db, "interval '1 minute'")
-	for range 3 {
-		require.NoError(t, c.finish(ctx, cl, owner, "release", c.sql.Release))
-		var attempts int
-		var ended, marked bool
-		require.NoError(t, db.Pool.QueryRow(ctx, `SELECT attempts, lease_expires_at <= now(), lease_expires_at = updated_at
-			FROM pgidem_record WHERE namespace = 'ns' AND key = 'k'`).Scan(&attempts, &ended, &marked))
-		require.Equal(t, 2, attempts)
-		require.True(t, ended)
-		require.True(t, marked, "still marked released, so taking it over counts no attempt")
-	}
-	require.ErrorIs(t, c.finish(ctx, cl, store.NewOwner(), "release", c.sql.Release), errFinishNoRow,
-		"another owner matches nothing")
-}
-
-// A release whose lease had already run out (the heartbeat lost the store for a whole
-// lease, nobody took over) is marked released like any other: its holder gave up, it did
-// not die, so taking the key over counts no attempt.
-func TestReleaseAfterLeaseRanOutIsMarked(t *testing.T) {
-	c, db := batchFixture(t)
-	ctx := context.Background()
-	cl, owner := heldTakenOver(t, c, db, "interval '-1 second'")
-	require.NoError(t, c.finish(ctx, cl, owner, "release", c.sql.Release))
-	var marked bool
-	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT lease_expires_at = updated_at FROM pgidem_record
-		WHERE namespace = 'ns' AND key = 'k'`).Scan(&marked))
-	require.True(t, marked)
-}
-
-// A release that the server refused (here: lock timeouts behind a transaction that takes
-// the key over) applied nothing, so when a later attempt finds no row of its owner the
-// reservation was taken over: errFinishNoRow, not a silent success.
-func TestReleaseRetryAfterServerErrorReportsTakeover(t *testing.T) {
-	db := testdb.New(t)
-	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(db.URL)
-	require.NoError(t, err)
-	cfg.ConnConfig.RuntimeParams["lock_timeout"] = "50ms"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	defer pool.Close()
-	c, err := newTestEngine(pool, Settings{MinTTL: 2 * time.Second, Lease: time.Second})
-	require.NoError(t, err)
-	cl, owner := heldTakenOver(t, c, db, "interval '1 minute'")
-	taker, err := db.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer taker.Rollback(ctx) //nolint:errcheck
-	_, err = taker.Exec(ctx, `UPDATE pgidem_record SET owner = gen_random_uuid(), attempts = attempts + 1
-		WHERE namespace = 'ns' AND key = 'k'`)
-	require.NoError(t, err)
-	committed := make(chan error, 1)
-	go func() {
-		time.Sleep(150 * time.Millisecond) // the release's first attempts time out meanwhile
-		committed <- taker.Commit(ctx)
-	}()
-	require.ErrorIs(t, c.finish(ctx, cl, owner, "release", c.sql.Release), errFinishNoRow)
-	require.NoError(t, <-committed)
-}
-
-// heldTakenOver stores an in-progress reservation of ns/k with attempts 2 (it took over a
-// dead holder) whose lease ends leaseFromNow (an SQL interval) from now, and returns the
-// call and the owner token that hold it.
-func heldTakenOver(t *testing.T, c *Engine, db *testdb.DB, leaseFromNow string) (*Call, pgtype.UUID) {
-	t.Helper()
-	cl, err := c.newCall("ns", "k", time.Hour, nil)
-	require.NoError(t, err)
-	owner := store.NewOwner()
-	_, err = db.Pool.Exec(context.Background(), `INSERT INTO pgidem_record
-		(namespace, key, status, owner, attempts, lease_expires_at, expires_at)
-		VALUES ('ns', 'k', 'in_progress', $1, 2, now() + `+leaseFromNow+`, now() + interval '1 hour')`, owner)
-	require.NoError(t, err)
-	return cl, owner
-}
-
 // TestRoundsDoNotScanAGrownTable runs rounds while the table is small — long enough for
 // Postgres to settle on a generic plan for a statement pgx keeps prepared — then lets the
 // table grow without an analyze (as in the first minutes after a migration) and counts the
@@ -785,79 +608,4 @@ func TestPlanEachExecution(t *testing.T) {
 		cc.DefaultQueryExecMode = mode
 		require.Equal(t, want, planEachExecution(cc), "pool mode %s", mode)
 	}
-}
-
-// TestReservationExpiresATTLAfterItsLease: every statement that writes an in-progress
-// record (the reserving insert alone and in a round, the takeover) sets its expiry a TTL
-// after its lease, as the heartbeat does, so a holder that dies before its first heartbeat
-// is taken over (attempts + 1, TookOver) before its record can count as expired.
-func TestReservationExpiresATTLAfterItsLease(t *testing.T) {
-	c, db := batchFixture(t) // lease 1 s
-	ctx := context.Background()
-	check := func(name string, r store.Row) {
-		t.Helper()
-		require.True(t, r.LeaseExpires.Valid, name)
-		require.Equal(t, time.Hour, r.ExpiresAt.Sub(r.LeaseExpires.Time), name)
-	}
-
-	cl, err := c.newCall("ns", "single", time.Hour, nil)
-	require.NoError(t, err)
-	r, err := c.reserveOne(ctx, c.pool, c.sql.Reserve, cl, store.NewOwner())
-	require.NoError(t, err)
-	check("reserve", r)
-
-	items := reserveItems(t, c, "round-a", "round-b")
-	c.runReserves(ctx, items)
-	for _, it := range items {
-		require.NoError(t, it.err)
-		check("reserve round", it.res)
-	}
-
-	_, err = db.Pool.Exec(ctx, `UPDATE pgidem_record SET lease_expires_at = now() - interval '1 second' WHERE key = 'single'`)
-	require.NoError(t, err)
-	r, err = c.reserveOne(ctx, c.pool, c.sql.Takeover, cl, store.NewOwner())
-	require.NoError(t, err)
-	require.True(t, r.TookOver)
-	check("takeover", r)
-}
-
-// newTestEngine returns an engine on pool with s's zero fields set to pgidem's defaults.
-func newTestEngine(pool *pgxpool.Pool, s Settings) (*Engine, error) {
-	s.Lease = cmp.Or(s.Lease, 30*time.Second)
-	s.MinTTL = cmp.Or(s.MinTTL, time.Minute)
-	s.WaitTimeout = cmp.Or(s.WaitTimeout, time.Minute)
-	s.InFlight = cmp.Or(s.InFlight, InFlightWait)
-	s.PollIntervalMin = cmp.Or(s.PollIntervalMin, 10*time.Millisecond)
-	s.PollIntervalMax = cmp.Or(s.PollIntervalMax, time.Second)
-	s.FinishTimeout = cmp.Or(s.FinishTimeout, 10*time.Second)
-	s.MaxBatch = cmp.Or(s.MaxBatch, 64)
-	s.MaxKeyBytes = cmp.Or(s.MaxKeyBytes, 255)
-	s.MaxNamespaceBytes = cmp.Or(s.MaxNamespaceBytes, 64)
-	s.MaxValueBytes = cmp.Or(s.MaxValueBytes, 16<<20)
-	if s.Logger == nil {
-		s.Logger = slog.New(slog.DiscardHandler)
-	}
-	return New(pool, s), nil
-}
-
-// doString runs fn under (namespace, key) through the engine, as pgidem.DoResult does
-// for a string result.
-func doString(ctx context.Context, c *Engine, namespace, key string, ttl time.Duration, opts *Opts, fn func(context.Context) (string, error)) (string, error) {
-	cl, err := c.Prepare(ctx, "Do", namespace, key, ttl, opts)
-	if err != nil {
-		return "", err
-	}
-	var value string
-	rep, err := c.Do(ctx, cl, func(ctx context.Context) error {
-		var err error
-		value, err = fn(ctx)
-		return err
-	}, func() ([]byte, error) { return json.Marshal(value) })
-	if rep.Replayed() && err == nil {
-		if rep.Row.Status == store.StatusFailed {
-			return "", StoredFailure(namespace, key, &rep.Row)
-		}
-		err = json.Unmarshal(rep.Row.Result, &value)
-	}
-	return value, err
 }

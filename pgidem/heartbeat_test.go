@@ -19,9 +19,8 @@ import (
 
 // A lease runs from its statement's start on the server. A reserving insert that waited
 // longer than a lease behind another transaction's uncommitted record (an open DoTx that
-// then rolled back) used to hand its caller a lease that had already ended: another caller
-// took the key over at once and both fns ran side by side. The holder now renews such a
-// lease before fn starts.
+// then rolled back) gets a lease that has already ended; the holder renews it before fn
+// starts, so no other caller takes the key over and the two fns never run side by side.
 func TestReservationAfterLockWaitIsRenewed(t *testing.T) {
 	t.Parallel()
 	const lease = 500 * time.Millisecond
@@ -78,10 +77,8 @@ func TestReservationAfterLockWaitIsRenewed(t *testing.T) {
 }
 
 // The heartbeat counts a lease from the send time of the statement that granted it, and a
-// timer cancels fn when it runs out without a renewal. It used to count a whole lease from
-// when fn started (later still after a lost-reply recovery) and check only after a failed
-// renewal, so a holder cut off from the store kept running fn after another caller had
-// taken the key over.
+// timer cancels fn when it runs out without a renewal: a holder cut off from the store
+// stops fn before another caller can take the key over.
 func TestHeartbeatCancelsBeforeTakeover(t *testing.T) {
 	t.Parallel()
 	const lease = 600 * time.Millisecond
@@ -240,8 +237,8 @@ func TestSingleRenewalFailureKeepsHolder(t *testing.T) {
 
 // A lease renewed before fn (granted after a long wait) that another caller takes over
 // meanwhile: on a pool whose sessions default to REPEATABLE READ the renewal fails with a
-// serialization failure, which now means "taken over, read again" as it does elsewhere in
-// the protocol; it was reported as the store being unavailable.
+// serialization failure, which means "taken over, read again" as it does elsewhere in the
+// protocol, not that the store is unavailable.
 func TestFreshLeaseSerializationFailureReadsAgain(t *testing.T) {
 	t.Parallel()
 	const lease = 300 * time.Millisecond
@@ -366,13 +363,14 @@ func (c *slowLinkConn) Close() error {
 }
 
 // Deadlines bound reads only: bytes already written are on their way whatever the client does.
-func (c *slowLinkConn) SetDeadline(t time.Time) error      { return c.Conn.SetReadDeadline(t) }
+func (c *slowLinkConn) SetDeadline(t time.Time) error { return c.Conn.SetReadDeadline(t) }
+
 func (c *slowLinkConn) SetWriteDeadline(t time.Time) error { return nil }
 
 // A renewal already on the wire when its holder releases the key (fn failed) can reach the
-// server after the release; it used to revive the released row's lease, so the next
-// caller got ErrInProgress for a holder that had given the key up, and a lease later
-// counted a takeover nobody caused. A released row is never renewed now.
+// server after the release; it does not revive the released row's lease, so the next
+// caller is not told ErrInProgress for a holder that gave the key up, and no takeover is
+// counted later.
 func TestLateRenewalCannotReviveReleasedLease(t *testing.T) {
 	t.Parallel()
 	const lease = 600 * time.Millisecond
@@ -388,7 +386,7 @@ func TestLateRenewalCannotReviveReleasedLease(t *testing.T) {
 	coord := b.newCoordOn(t, pool, &pgidem.Config{Lease: lease, MaxBatch: 1})
 
 	// A dead holder's reservation: A takes it over (attempts 2), so A's release keeps the row.
-	reviewInsert(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
+	insertRecord(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
 	transient := errors.New("transient")
 	res, err := pgidem.DoResult(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) {
 		require.Eventually(t, fired.Load, 5*time.Second, time.Millisecond) // a renewal is on the wire
@@ -398,7 +396,7 @@ func TestLateRenewalCannotReviveReleasedLease(t *testing.T) {
 	require.True(t, res.TookOver)
 
 	time.Sleep(delay + 200*time.Millisecond) // whatever was on the wire has landed
-	res, err = pgidem.DoResult(b.ctx, b.coord, "mail", "k", testTTL, reviewRaise(), func(context.Context) (int, error) { return 1, nil })
+	res, err = pgidem.DoResult(b.ctx, b.coord, "mail", "k", testTTL, raiseOpts(), func(context.Context) (int, error) { return 1, nil })
 	require.NoError(t, err, "A released the key; the next caller takes it over at once")
 	require.False(t, res.TookOver, "a released reservation is taken over without counting a takeover")
 	require.Equal(t, 2, res.Attempts)
@@ -428,8 +426,8 @@ func (c *slowReplyConn) Read(p []byte) (int, error) {
 }
 
 // A renewal that queued behind the completing write and lost to it is not a store error:
-// under a stricter default isolation it fails with a serialization failure, which used to
-// be logged and reported as EventStoreError for a call that succeeded.
+// under a stricter default isolation it fails with a serialization failure, which is
+// neither logged nor reported as EventStoreError for a call that succeeded.
 func TestRenewalLosingToCompletionIsNoStoreError(t *testing.T) {
 	t.Parallel()
 	for _, isolation := range []string{"read committed", "repeatable read"} {
@@ -477,11 +475,87 @@ func TestRenewalLosingToCompletionIsNoStoreError(t *testing.T) {
 				done <- err
 			}()
 			locker := <-lockerCh
-			reviewWaitBlocked(t, b, 2) // the completion, then the renewal
+			waitLockBlocked(t, b, 2) // the completion, then the renewal
 			require.NoError(t, locker.Commit(b.ctx))
 			require.NoError(t, <-done)
 			require.Equal(t, pgidem.StatusCompleted, b.lookup(t, "mail", "k").Status)
 			require.Zero(t, storeErrors.Load(), "EventStoreError for a call that succeeded")
 		})
 	}
+}
+
+// Heartbeats that fail with store errors for a whole lease (here: blocked by a row lock,
+// as a slow disk or a network blip would) do not stop the finishing write: nobody took the
+// row over, so the owner-conditional completion succeeds, fn's success is recorded, and the
+// next delivery replays it instead of taking over (attempts stays 1).
+func TestHeartbeatOutageStillFinishes(t *testing.T) {
+	t.Parallel()
+	b := setup(t, &pgidem.Config{Lease: 300 * time.Millisecond})
+	var runs atomic.Int32
+	fn := func(ctx context.Context) (string, error) {
+		if runs.Add(1) > 1 {
+			return "second", nil
+		}
+		tx, err := b.db.Pool.Begin(context.WithoutCancel(ctx))
+		if err != nil {
+			return "", err
+		}
+		defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+		// Hold the row lock: every heartbeat UPDATE blocks until its timeout.
+		if _, err := tx.Exec(context.WithoutCancel(ctx), `SELECT 1 FROM pgidem_record WHERE key = 'k' FOR UPDATE`); err != nil {
+			return "", err
+		}
+		<-ctx.Done() // the heartbeat gives up after a lease without a successful renewal
+		return "sent", nil
+	}
+	v, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, fn)
+	require.Equal(t, "sent", v)
+	rec := b.lookup(t, "mail", "k")
+	require.Equal(t, pgidem.StatusCompleted, rec.Status,
+		"the row was never taken over (still ours), yet the successful result was not stored (err=%v)", err)
+	require.NoError(t, err)
+
+	// Once the lease has run out, the next delivery replays instead of running the effect again.
+	_, err = b.db.Pool.Exec(b.ctx, `UPDATE pgidem_record SET lease_expires_at = now() - interval '1 second' WHERE status = 'in_progress'`)
+	require.NoError(t, err)
+	_, err = pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, fn)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, runs.Load(), "the effect ran twice")
+}
+
+// The heartbeat is stopped before a release: a renewal that ran after the release would
+// revive the lease of the kept row, and the key would look held by nobody for a whole
+// lease. Here the release waits on a row lock long enough for a heartbeat tick to queue
+// behind it.
+func TestReleaseIsNotRevivedByHeartbeat(t *testing.T) {
+	t.Parallel()
+	const lease = 600 * time.Millisecond // a tick every 200 ms, each renewal waiting up to 200 ms
+	b := setup(t, &pgidem.Config{Lease: lease})
+	insertRecord(t, b, "k", "in_progress", "now() - interval '1 second'", "now() + interval '1 hour'", nil)
+	locker, err := b.db.Pool.Begin(b.ctx)
+	require.NoError(t, err)
+	defer locker.Rollback(b.ctx) //nolint:errcheck
+	transient := errors.New("transient")
+	done := make(chan error, 1)
+	go func() {
+		_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) {
+			// After the takeover committed: lock the row so the release has to wait.
+			_, err := locker.Exec(b.ctx, `SELECT 1 FROM pgidem_record WHERE key = 'k' FOR UPDATE`)
+			require.NoError(t, err)
+			return 0, transient
+		})
+		done <- err
+	}()
+	waitLockBlocked(t, b, 1)
+	// Had the heartbeat still been running, its renewal would now be queued behind the
+	// release (and it gives up only after a whole lease without a renewal).
+	time.Sleep(lease / 2)
+	require.NoError(t, locker.Commit(b.ctx))
+	require.ErrorIs(t, <-done, transient)
+	rec := b.lookup(t, "mail", "k")
+	require.Equal(t, pgidem.StatusInProgress, rec.Status)
+	require.False(t, rec.LeaseExpiresAt.After(rec.UpdatedAt), "the lease stays ended")
+	_, err = pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, raiseOpts(),
+		func(context.Context) (int, error) { return 1, nil })
+	require.NoError(t, err, "the next caller takes over at once")
 }

@@ -22,11 +22,12 @@ build:
 test:
 	$(GO) test -race -count=1 -timeout 20m $(TEST_FLAGS) ./...
 
-## fuzz: each fuzz target of pgidem for FUZZTIME, against real Postgres (seed corpora in pgidem/testdata/fuzz).
+## fuzz: each fuzz target for FUZZTIME, against real Postgres (seed corpora in each package's testdata/fuzz).
 fuzz:
 	@set -e; for target in $(FUZZ_TARGETS); do \
 		$(GO) test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) ./pgidem/; \
 	done
+	$(GO) test -run '^$$' -fuzz '^FuzzParseKey$$' -fuzztime $(FUZZTIME) ./http/
 
 ## lint: gofmt, go vet, staticcheck.
 lint:

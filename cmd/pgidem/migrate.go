@@ -20,7 +20,7 @@ func (a *app) migrateCommand() *cobra.Command {
 		Use:   "migrate",
 		Short: "Apply, roll back or report pgidem's migrations",
 		Long: `Runs pgidem's embedded goose migrations under pgidem's own version table
-(` + migrations.VersionTable + `) and advisory lock, so they never mix with the application's
+(` + migrations.VersionTable + `) and migration lock, so they never mix with the application's
 own goose history and concurrent deploys apply each migration once. With --schema the
 tables live in that schema: migrate up creates it if missing (with a note on stderr when
 it installs pgidem there while pgidem is installed in another schema of the database:
@@ -77,7 +77,7 @@ func (a *app) migrateUpCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "up",
 		Short: "Apply every pending pgidem migration (and River's, with --river)",
-		Long: `Applies every pending pgidem migration under pgidem's version table and advisory lock.
+		Long: `Applies every pending pgidem migration under pgidem's version table and migration lock.
 
 With --river it then applies River's pending migrations too (pgidemriver.MigrateRiver),
 holding the advisory lock pgidemriver.MigrateLockID: River's own migrator takes no lock, so
@@ -484,15 +484,6 @@ func newerNote(latest int64) string {
 	return fmt.Sprintf("newer than this pgidem's latest migration, %d: a newer release migrated the database", latest)
 }
 
-// lockHolderSQL finds a session of this database holding pgidem's migration lock ($1, a
-// session-level advisory lock on a bigint key: classid the high 32 bits, objid the low).
-const lockHolderSQL = `
-SELECT pid FROM pg_catalog.pg_locks
-WHERE locktype = 'advisory' AND granted AND objsubid = 1
-	AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
-	AND (classid::bigint << 32) | objid::bigint = $1
-LIMIT 1`
-
 // lockNoteDelay is how long a migration run waits for pgidem's migration lock before it
 // says whom it waits for. It is longer than goose's retry period (one second), so a lock
 // freed at once (another run with nothing to do, say) goes unmentioned.
@@ -500,11 +491,11 @@ const lockNoteDelay = 2 * time.Second
 
 // noteLockWait watches a migration about to run for a wait on pgidem's migration lock,
 // which it would otherwise wait for (up to about five minutes) without a word: when
-// another session holds the lock now and still holds it lockNoteDelay later, the
-// migration is waiting for it, and a note on stderr names the session. Call the returned
+// another run holds the lock now and still holds it lockNoteDelay later, the migration
+// is waiting for it, and a note on stderr names the holder. Call the returned
 // function once the migration has returned: it stops the watch.
 func (a *app) noteLockWait(ctx context.Context, db *sql.DB) (stop func()) {
-	pid, held := lockHolder(ctx, db)
+	holder, held := lockHolder(ctx, db)
 	if !held {
 		return func() {}
 	}
@@ -519,10 +510,10 @@ func (a *app) noteLockWait(ctx context.Context, db *sql.DB) (stop func()) {
 			return
 		case <-timer.C:
 		}
-		// The same session as before the migration started, so not this run's.
-		if holder, held := lockHolder(ctx, db); held && holder == pid {
-			fmt.Fprintf(a.stderr, "pgidem: waiting for pgidem's migration lock, held by backend pid %d (another migration run); "+
-				"giving up after about %d s\n", pid, migrations.LockRetryAttempts*migrations.LockRetryPeriodSeconds)
+		// The same holder as before the migration started, so not this run.
+		if now, held := lockHolder(ctx, db); held && now == holder {
+			fmt.Fprintf(a.stderr, "pgidem: waiting for pgidem's migration lock, held by %s (another migration run); "+
+				"giving up after about %d s\n", holder, migrations.LockRetryAttempts*migrations.LockRetryPeriodSeconds)
 		}
 	}()
 	return func() {
@@ -531,13 +522,11 @@ func (a *app) noteLockWait(ctx context.Context, db *sql.DB) (stop func()) {
 	}
 }
 
-// lockHolder returns the backend pid of a session holding pgidem's migration lock; held is
-// false when none does (or the check failed: the migration reports what matters).
-func lockHolder(ctx context.Context, db *sql.DB) (pid int, held bool) {
-	if err := db.QueryRowContext(ctx, lockHolderSQL, migrations.LockID).Scan(&pid); err != nil {
-		return 0, false
-	}
-	return pid, true
+// lockHolder names the run holding pgidem's migration lock (migrations.LockHolder); held
+// is false when none does (or the check failed: the migration reports what matters).
+func lockHolder(ctx context.Context, db *sql.DB) (holder string, held bool) {
+	holder, _, held, err := migrations.LockHolder(ctx, db)
+	return holder, held && err == nil
 }
 
 // installedAnew reports whether results include pgidem's first migration, which creates

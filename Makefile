@@ -1,5 +1,7 @@
 # pgidem — see README.md. Every target runs against a real Postgres server found through
 # DATABASE_URL, libpq PG* variables, or postgres://postgres@127.0.0.1:5432 (internal/dbserver).
+# The pooler tests (pooler_test.go) also need PgBouncer: PGIDEM_PGBOUNCER_URL, or a pgbouncer
+# binary they start themselves (internal/pgbouncer; Debian: apt-get install pgbouncer).
 
 GO            ?= go
 STATICCHECK   := honnef.co/go/tools/cmd/staticcheck@v0.8.2

@@ -3,7 +3,7 @@
 //
 // The migrations are ordinary goose SQL files (see [FS]); they run unchanged under the
 // goose command line tool and can be copied into other migration tools. Run from Go, they
-// use pgidem's own version table ([VersionTable]) and its own advisory lock ([LockID]), and
+// use pgidem's own version table ([VersionTable]) and their own lock ([LockTable], [LockID]), and
 // goose's global registry of Go migrations is disabled, so pgidem's history never mixes
 // with the application's own goose migrations in the same database.
 //
@@ -26,6 +26,16 @@
 // Without Opts.Schema, every function refuses to run when pgidem is installed in another
 // schema of the search_path than the current one, instead of installing it a second time
 // (see [NewProvider]).
+//
+// # Locking and connection poolers
+//
+// Up, Down, DownTo and Reset hold pgidem's migration lock while they migrate: a row in
+// [LockTable] (goose's table locker), not a session advisory lock, so concurrent deploys
+// apply each migration once also through a transaction-pooling proxy such as PgBouncer.
+// The caller's context bounds the wait for the lock ([ErrLockHeld]) and the retries of
+// its release; a holder that dies or fails to release it leaves a lease that runs out
+// after [LockLease]. Through PgBouncer in transaction pooling, open the database with
+// default_query_exec_mode=exec (or simple_protocol) in the connection string.
 package migrations
 
 import (
@@ -58,17 +68,19 @@ const (
 	// and pgidem's never collide.
 	VersionTable = "pgidem_goose_db_version"
 
-	// LockID is the Postgres session advisory lock id held while pgidem's migrations run,
-	// so that concurrent deploys apply each migration once. It differs from goose's default
-	// lock id. The value is the ASCII bytes of "pgidemmg".
+	// LockID identifies pgidem's migration lock: the id of its row in [LockTable], held
+	// while pgidem's migrations run so that concurrent deploys apply each migration once,
+	// and the transaction advisory lock id under which [Up] creates [Opts.Schema]. It
+	// differs from goose's default lock id. The value is the ASCII bytes of "pgidemmg".
 	LockID int64 = 0x70676964656d6d67
 
-	// LockRetryPeriodSeconds is how often, in seconds, a migration run waiting for
-	// [LockID] retries (goose's minimum period is one second).
+	// LockRetryPeriodSeconds is how often, in seconds, a migration run waiting for the
+	// migration lock tries again (with goose's ±25% jitter).
 	LockRetryPeriodSeconds = 1
 
-	// LockRetryAttempts is how many times a waiting migration run retries before it fails:
-	// with [LockRetryPeriodSeconds] it waits about five minutes.
+	// LockRetryAttempts is how many times a waiting migration run retries before it fails
+	// with [ErrLockHeld]: with [LockRetryPeriodSeconds] it waits about five minutes, or
+	// until the caller's context ends, whichever comes first.
 	LockRetryAttempts = 300
 )
 
@@ -128,7 +140,7 @@ type Opts struct {
 	// a migration they would roll back drops a table that holds rows (pgidem_record:
 	// every completed key would run its effect again; pgidem_inbox: every recorded message
 	// would be handled again): the error matches [ErrDataLoss]. The check runs under
-	// [LockID], on the connection goose then rolls back with, so another rollback cannot
+	// the migration lock, which the rollback then keeps, so another rollback cannot
 	// change what is rolled back after the check. It guards against rolling back the
 	// wrong database, not against the application writing meanwhile: a row committed
 	// between the check and the DROP is dropped with its table, so stop the application's
@@ -207,7 +219,11 @@ func OpenDB(connString, schema string) (*sql.DB, error) {
 }
 
 // NewProvider returns a goose provider for pgidem's migrations on db, configured with
-// [VersionTable], [LockID] and goose's global registry disabled. Cancelling ctx stops its
+// [VersionTable], goose's table lock on [LockTable] and [LockID] (goose's own waits and
+// release retries, bounded by [LockRetryAttempts], not by a context), and goose's global
+// registry disabled. goose takes a connection before it takes the lock through another
+// one, so the provider's locking operations need a *sql.DB of at least two connections;
+// the package's functions do not. Cancelling ctx stops its
 // checks.
 //
 // NewProvider queries db to check where pgidem is installed, and returns an error (creating
@@ -232,29 +248,19 @@ func OpenDB(connString, schema string) (*sql.DB, error) {
 // schema on its first operation, Status and version queries included; [Status], [Down],
 // [DownTo], [Reset] and [Installed] do not where pgidem was never installed.
 func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, error) {
-	locker, err := sessionLocker()
+	// Not ctx: it bounds NewProvider's checks, not the provider's later operations.
+	locker, err := newTableLocker(context.Background())
 	if err != nil {
 		return nil, err
 	}
 	return newProvider(ctx, db, opts, locker)
 }
 
-// sessionLocker returns goose's Postgres session locker on [LockID], waiting as documented.
-func sessionLocker() (lock.SessionLocker, error) {
-	locker, err := lock.NewPostgresSessionLocker(
-		lock.WithLockID(LockID),
-		lock.WithLockTimeout(LockRetryPeriodSeconds, LockRetryAttempts),
-	)
-	if err != nil {
-		return nil, fmt.Errorf("pgidem: migrations: session locker: %w", err)
-	}
-	return locker, nil
-}
-
-// newProvider is [NewProvider] with the given session locker; with none, the provider takes
-// no lock, for reports that must not wait for a migration in progress (goose's Status and
-// GetDBVersion take it).
-func newProvider(ctx context.Context, db *sql.DB, opts *Opts, locker lock.SessionLocker) (*goose.Provider, error) {
+// newProvider is [NewProvider] with the given locker; with none, the provider takes no
+// lock: for reports that must not wait for a migration in progress (goose's Status and
+// GetDBVersion take it), and for the package's functions, which take the lock around the
+// provider's work themselves ([locked]).
+func newProvider(ctx context.Context, db *sql.DB, opts *Opts, locker lock.Locker) (*goose.Provider, error) {
 	if db == nil {
 		return nil, fmt.Errorf("%w: db is nil", ErrInvalidArgument)
 	}
@@ -279,7 +285,7 @@ func newProvider(ctx context.Context, db *sql.DB, opts *Opts, locker lock.Sessio
 		goose.WithDisableGlobalRegistry(true),
 	}
 	if locker != nil {
-		providerOpts = append(providerOpts, goose.WithSessionLocker(locker))
+		providerOpts = append(providerOpts, goose.WithLocker(locker))
 	}
 	if opts.Logger != nil {
 		providerOpts = append(providerOpts, goose.WithSlog(opts.Logger), goose.WithVerbose(true))
@@ -407,10 +413,10 @@ func checkManagedHere(ctx context.Context, db *sql.DB) error {
 // created. To create the schema the transaction first takes [LockID] as a transaction
 // lock, so concurrent callers create it one after the other (CREATE SCHEMA IF NOT EXISTS
 // alone fails with a unique violation when two run at once, so a caller that met a
-// session not taking the lock calls it again); it is released at commit,
-// before goose takes the same id as a session lock. It waits for the lock at most as
-// long as goose does ([LockRetryAttempts] × [LockRetryPeriodSeconds]), whatever the
-// session's statement_timeout. An existing schema takes no lock.
+// session not taking the lock calls it again); it is released at commit, before the
+// migration lock is taken. A transaction lock works through a transaction pooler. It waits for the lock at most as
+// long as the migration lock ([LockRetryAttempts] × [LockRetryPeriodSeconds]), whatever
+// the session's statement_timeout. An existing schema takes no lock.
 func createSchema(ctx context.Context, db *sql.DB, schema string) (err error) {
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
@@ -423,7 +429,7 @@ func createSchema(ctx context.Context, db *sql.DB, schema string) (err error) {
 	}()
 	// CREATE SCHEMA checks the CREATE privilege on the database even when the schema
 	// exists: look first, so a role without it can migrate an existing schema; and an
-	// existing schema needs no lock, so a deploy that finds it waits only in goose's lock.
+	// existing schema needs no lock, so a deploy that finds it waits only for the migration lock.
 	const existsSQL = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)"
 	var exists bool
 	if err := tx.QueryRowContext(ctx, existsSQL, schema).Scan(&exists); err != nil {
@@ -458,14 +464,17 @@ func createSchema(ctx context.Context, db *sql.DB, schema string) (err error) {
 	return nil
 }
 
-// Up applies every pending pgidem migration, holding [LockID] so concurrent callers (two
-// deploys starting at once) all succeed and each migration is applied once. With
+// Up applies every pending pgidem migration, holding the migration lock ([LockTable]) so
+// concurrent callers (two deploys starting at once, through a transaction pooler too) all
+// succeed and each migration is applied once. With
 // [Opts.Schema] set it first creates that schema if it does not exist, under the same lock
 // id; when the connection's current schema is not Opts.Schema it returns an error and
 // creates nothing. It returns the errors of [NewProvider] too. It returns the migrations
 // this call applied (none when the schema is current), also those applied before a
-// failing one (goose's *goose.PartialError, which the error wraps). Cancelling ctx stops
-// between statements; a migration interrupted mid-way is rolled back by its transaction.
+// failing one (goose's *goose.PartialError, which the error wraps). A run that waited for
+// the lock until ctx ended, or about five minutes, returns an error matching
+// [ErrLockHeld] and applies nothing. Cancelling ctx stops the wait or stops between
+// statements; a migration interrupted mid-way is rolled back by its transaction.
 // Safe for concurrent use, in one process or many: that is what the lock is for.
 func Up(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, error) {
 	if db != nil && opts != nil && opts.Schema != "" {
@@ -483,12 +492,27 @@ func Up(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResult, 
 			return nil, err
 		}
 	}
-	provider, err := NewProvider(ctx, db, opts)
+	provider, err := newProvider(ctx, db, opts, nil)
 	if err != nil {
 		return nil, err
 	}
-	results, err := provider.Up(ctx)
+	// Like goose's Up, look without the lock first: a deploy with nothing to apply does not
+	// wait for one that migrates.
+	if pending, err := provider.HasPending(ctx); err != nil || !pending {
+		if err != nil {
+			err = fmt.Errorf("pgidem: migrations: up: %w", err)
+		}
+		return nil, err
+	}
+	var results []*goose.MigrationResult
+	err = locked(ctx, db, func(ctx context.Context) error {
+		results, err = provider.Up(ctx)
+		return err
+	})
 	if err != nil {
+		if errors.Is(err, ErrLockHeld) {
+			return nil, err
+		}
 		return completed(results, err), fmt.Errorf("pgidem: migrations: up: %w", err)
 	}
 	return results, nil
@@ -520,7 +544,7 @@ func installed(ctx context.Context, db *sql.DB) (bool, error) {
 // Down rolls back the most recently applied pgidem migration, like goose's Down and
 // `pgidem migrate down`; the results hold it, or nothing when no migration is applied.
 // Where pgidem was never installed ([Installed] is false) it does nothing and creates
-// nothing. It holds [LockID] like [Up], and returns the errors of [NewProvider] (a missing
+// nothing. It holds the migration lock like [Up], and returns the errors of [NewProvider] (a missing
 // Opts.Schema among them). A rollback removes what the migration created, rows included:
 // rolling back the first migration deletes every record, unless [Opts.RefuseDataLoss].
 // [Reset] rolls back all of them, [DownTo] those above a version. A database at a version
@@ -547,7 +571,7 @@ func Reset(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResul
 // back before a failing one, whose *goose.PartialError the error wraps; none when the
 // database is at version or below). A rollback removes what the migration created, rows
 // included, unless [Opts.RefuseDataLoss]. Where pgidem was never installed ([Installed]
-// is false) it does nothing and creates nothing. It holds [LockID] like [Up], returns the
+// is false) it does nothing and creates nothing. It holds the migration lock like [Up], returns the
 // errors of [NewProvider] (a missing Opts.Schema among them) and, like [Down], refuses a
 // database at a version newer than this build's latest migration. A negative version
 // returns an error matching [ErrInvalidArgument]. Cancelling ctx and concurrent use are as for [Down].
@@ -559,55 +583,66 @@ func DownTo(ctx context.Context, db *sql.DB, opts *Opts, version int64) ([]*goos
 }
 
 // down rolls back, with goose, the applied migrations above target (only the most recently
-// applied one when byOne). Before goose plans the rollback, on the connection and under
-// the lock goose then migrates with, the session locker checks the same plan: a version
-// this build does not have is refused, and so, with [Opts.RefuseDataLoss], is a plan
-// that drops a table holding rows. So a concurrent rollback cannot change what was
-// checked, and a *sql.DB of one connection works, as with goose alone.
+// applied one when byOne). Under pgidem's migration lock, it first checks what goose will
+// roll back: a version this build does not have is refused, and so, with
+// [Opts.RefuseDataLoss], is a plan that drops a table holding rows. The check and the
+// rollback hold the lock together, so a concurrent rollback cannot change what was
+// checked.
 func down(ctx context.Context, db *sql.DB, opts *Opts, target int64, byOne bool) ([]*goose.MigrationResult, error) {
 	if opts == nil {
 		opts = &Opts{}
 	}
-	inner, err := sessionLocker()
-	if err != nil {
-		return nil, err
-	}
-	var sources []*goose.Source
-	locker := &checkingLocker{SessionLocker: inner, check: func(ctx context.Context, conn *sql.Conn) error {
-		plan, err := downPlan(ctx, conn, sources[len(sources)-1].Version, target, byOne)
-		if err != nil || !opts.RefuseDataLoss {
-			return err
-		}
-		return refuseDataLoss(ctx, conn, plan)
-	}}
-	provider, err := newProvider(ctx, db, opts, locker) // the checks; creates nothing
+	provider, err := newProvider(ctx, db, opts, nil) // the checks; creates nothing
 	if err != nil {
 		return nil, err
 	}
 	if ok, err := installed(ctx, db); err != nil || !ok {
 		return nil, err
 	}
-	sources = provider.ListSources()
-	var results []*goose.MigrationResult
-	if byOne {
-		var res *goose.MigrationResult
-		res, err = provider.Down(ctx)
+	sources := provider.ListSources()
+	var (
+		results []*goose.MigrationResult
+		refused error
+	)
+	err = locked(ctx, db, func(ctx context.Context) error {
+		if refused = checkDown(ctx, db, opts, sources[len(sources)-1].Version, target, byOne); refused != nil {
+			return refused
+		}
+		if !byOne {
+			results, err = provider.DownTo(ctx, target)
+			return err
+		}
+		res, err := provider.Down(ctx)
 		if res != nil {
 			results = append(results, res)
 		}
 		if errors.Is(err, goose.ErrNoNextVersion) {
-			err = nil // nothing applied: nothing to roll back
+			return nil // nothing applied: nothing to roll back
 		}
-	} else {
-		results, err = provider.DownTo(ctx, target)
-	}
+		return err
+	})
 	switch {
-	case locker.err != nil:
-		return nil, locker.err // refused before anything ran; goose wraps it
+	case refused != nil, errors.Is(err, ErrLockHeld):
+		return nil, err // refused before anything ran
 	case err != nil:
 		return completed(results, err), fmt.Errorf("pgidem: migrations: down: %w", err)
 	}
 	return results, nil
+}
+
+// checkDown checks, on a connection of db, the migrations goose is about to roll back
+// (see [down]).
+func checkDown(ctx context.Context, db *sql.DB, opts *Opts, latest, target int64, byOne bool) error {
+	conn, err := db.Conn(ctx)
+	if err != nil {
+		return fmt.Errorf("pgidem: migrations: down: %w", err)
+	}
+	defer conn.Close()
+	plan, err := downPlan(ctx, conn, latest, target, byOne)
+	if err != nil || !opts.RefuseDataLoss {
+		return err
+	}
+	return refuseDataLoss(ctx, conn, plan)
 }
 
 // completed returns the migrations that ran before err: goose reports them in a
@@ -618,36 +653,6 @@ func completed(results []*goose.MigrationResult, err error) []*goose.MigrationRe
 		return partial.Applied
 	}
 	return results
-}
-
-// checkingLocker is goose's session locker followed by a check on the same connection,
-// under the lock; when the check fails, it releases the lock and returns the check's
-// error (kept in err), so goose migrates nothing.
-type checkingLocker struct {
-	lock.SessionLocker
-	check func(context.Context, *sql.Conn) error
-	err   error
-}
-
-// SessionLock implements lock.SessionLocker.
-func (l *checkingLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
-	if err := l.SessionLocker.SessionLock(ctx, conn); err != nil {
-		return err
-	}
-	defer func() {
-		if p := recover(); p != nil { // goose will not unlock a lock it was not given
-			_ = l.SessionLocker.SessionUnlock(context.WithoutCancel(ctx), conn)
-			panic(p)
-		}
-	}()
-	if err := l.check(ctx, conn); err != nil {
-		l.err = err
-		if uerr := l.SessionLocker.SessionUnlock(context.WithoutCancel(ctx), conn); uerr != nil {
-			return errors.Join(err, uerr)
-		}
-		return err
-	}
-	return nil
 }
 
 // downPlan lists the migrations to roll back, as goose's down and down-to choose them from

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pressly/goose/v3"
+	"github.com/pressly/goose/v3/lock"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/internal/testdb"
@@ -34,6 +35,24 @@ func tableExists(t *testing.T, db *sql.DB, schema, table string) bool {
 		schema, table).Scan(&exists)
 	require.NoError(t, err)
 	return exists
+}
+
+// holdLock takes pgidem's migration lock as another deploy would (goose's table locker on
+// migrations.LockTable and LockID, renewing its lease), through a *sql.DB of one
+// connection whose backend pid it returns; release frees it (at the latest at cleanup).
+func holdLock(t *testing.T, url, schema string) (release func(), pid int) {
+	t.Helper()
+	ctx := context.Background()
+	db := open(t, url, schema)
+	db.SetMaxOpenConns(1)
+	require.NoError(t, db.QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+	locker, err := lock.NewPostgresTableLocker(lock.WithTableName(migrations.LockTable), lock.WithTableLockID(migrations.LockID))
+	require.NoError(t, err)
+	require.NoError(t, locker.Lock(ctx, db))
+	var once sync.Once
+	release = func() { once.Do(func() { require.NoError(t, locker.Unlock(ctx, db)) }) }
+	t.Cleanup(release)
+	return release, pid
 }
 
 func TestUpDownUp(t *testing.T) {
@@ -379,16 +398,12 @@ func TestUpWaitsForLockUnderStatementTimeout(t *testing.T) {
 			_, err = tdb.Pool.Exec(ctx, "ALTER DATABASE "+pgx.Identifier{tdb.Name}.Sanitize()+" SET statement_timeout = '1s'")
 			require.NoError(t, err)
 
-			holder, err := tdb.Pool.Acquire(ctx)
-			require.NoError(t, err)
-			_, err = holder.Exec(ctx, "SELECT pg_advisory_lock($1)", migrations.LockID)
-			require.NoError(t, err)
+			release, _ := holdLock(t, tdb.URL, schema)
 			done := make(chan struct{})
 			go func() {
 				defer close(done)
 				time.Sleep(3 * time.Second) // a long migration elsewhere
-				_, _ = holder.Exec(context.Background(), "SELECT pg_advisory_unlock($1)", migrations.LockID)
-				holder.Release()
+				release()
 			}()
 			_, err = migrations.Up(ctx, open(t, tdb.URL, schema), &migrations.Opts{Schema: schema})
 			<-done
@@ -532,11 +547,7 @@ func TestRefuseDataLoss(t *testing.T) {
 		addInboxRow(t, db)
 		// Both rollbacks wait for the lock, then run one after the other: the first rolls
 		// back the view (no rows), the second would drop the inbox and must refuse.
-		holder, err := db.Conn(ctx)
-		require.NoError(t, err)
-		defer holder.Close()
-		_, err = holder.ExecContext(ctx, "SELECT pg_advisory_lock($1)", migrations.LockID)
-		require.NoError(t, err)
+		release, holderPID := holdLock(t, tdb.URL, "")
 		errs := make(chan error, 2)
 		for range 2 {
 			go func() {
@@ -546,12 +557,12 @@ func TestRefuseDataLoss(t *testing.T) {
 		}
 		require.Eventually(t, func() bool { // both are polling for the lock
 			var n int
-			err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_stat_activity
-				WHERE datname = current_database() AND query LIKE '%pg_try_advisory_lock%' AND pid <> pg_backend_pid()`).Scan(&n)
+			err := db.QueryRowContext(ctx, `SELECT count(DISTINCT pid) FROM pg_stat_activity
+				WHERE datname = current_database() AND pid NOT IN (pg_backend_pid(), $1)
+				  AND (query LIKE 'INSERT INTO `+migrations.LockTable+` %' OR query LIKE 'UPDATE `+migrations.LockTable+` SET%')`, holderPID).Scan(&n)
 			return err == nil && n >= 2
 		}, time.Minute, 20*time.Millisecond)
-		_, err = holder.ExecContext(ctx, "SELECT pg_advisory_unlock($1)", migrations.LockID)
-		require.NoError(t, err)
+		release()
 		first, second := <-errs, <-errs
 		if first != nil {
 			first, second = second, first
@@ -564,9 +575,9 @@ func TestRefuseDataLoss(t *testing.T) {
 
 	t.Run("OneConnection", func(t *testing.T) {
 		t.Parallel()
-		// The check runs on goose's own locked connection, so a *sql.DB of one connection
-		// rolls back as with goose alone. (A version holding the lock on a connection of
-		// its own waited forever for a second one.)
+		// The check and the lock use the one connection in turn, before goose takes it, so a
+		// *sql.DB of one connection rolls back as with goose alone. (A version holding the
+		// lock on a connection of its own waited forever for a second one.)
 		db := open(t, testdb.NewUnmigrated(t).URL, "")
 		db.SetMaxOpenConns(1)
 		_, err := migrations.Up(ctx, db, nil)

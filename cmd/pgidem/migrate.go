@@ -22,7 +22,7 @@ func (a *app) migrateCommand() *cobra.Command {
 		Use:   "migrate",
 		Short: "Apply, roll back or report pgidem's migrations",
 		Long: `Runs pgidem's embedded goose migrations under pgidem's own version table
-(` + migrations.VersionTable + `) and advisory lock, so they never mix with the application's
+(` + migrations.VersionTable + `) and migration lock, so they never mix with the application's
 own goose history and concurrent deploys apply each migration once. With --schema the
 tables live in that schema: migrate up creates it if missing (with a note on stderr when
 it installs pgidem there while pgidem is installed in another schema of the database:
@@ -79,7 +79,7 @@ func (a *app) migrateUpCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "up",
 		Short: "Apply every pending pgidem migration (and River's, with --river)",
-		Long: `Applies every pending pgidem migration under pgidem's version table and advisory lock.
+		Long: `Applies every pending pgidem migration under pgidem's version table and migration lock.
 
 With --river it then applies River's pending migrations too (pgidemriver.MigrateRiver),
 holding the advisory lock pgidemriver.MigrateLockID: River's own migrator takes no lock, so
@@ -522,11 +522,11 @@ const lockNoteDelay = 2 * time.Second
 
 // noteLockWait watches a migration about to run for a wait on pgidem's migration lock,
 // which it would otherwise wait for (up to about five minutes) without a word: when
-// another session holds the lock now and still holds it lockNoteDelay later, the
-// migration is waiting for it, and a note on stderr names the session. Call the returned
+// another run holds the lock now and still holds it lockNoteDelay later, the migration
+// is waiting for it, and a note on stderr names the holder. Call the returned
 // function once the migration has returned: it stops the watch.
 func (a *app) noteLockWait(ctx context.Context, db *sql.DB) (stop func()) {
-	pid, held := lockHolder(ctx, db)
+	holder, held := lockHolder(ctx, db)
 	if !held {
 		return func() {}
 	}
@@ -541,10 +541,10 @@ func (a *app) noteLockWait(ctx context.Context, db *sql.DB) (stop func()) {
 			return
 		case <-timer.C:
 		}
-		// The same session as before the migration started, so not this run's.
-		if holder, held := lockHolder(ctx, db); held && holder == pid {
-			fmt.Fprintf(a.stderr, "pgidem: waiting for pgidem's migration lock, held by backend pid %d (another migration run); "+
-				"giving up after about %d s\n", pid, migrations.LockRetryAttempts*migrations.LockRetryPeriodSeconds)
+		// The same holder as before the migration started, so not this run.
+		if now, held := lockHolder(ctx, db); held && now == holder {
+			fmt.Fprintf(a.stderr, "pgidem: waiting for pgidem's migration lock, held by %s (another migration run); "+
+				"giving up after about %d s\n", holder, migrations.LockRetryAttempts*migrations.LockRetryPeriodSeconds)
 		}
 	}()
 	return func() {
@@ -553,11 +553,11 @@ func (a *app) noteLockWait(ctx context.Context, db *sql.DB) (stop func()) {
 	}
 }
 
-// lockHolder returns the backend pid of a session holding pgidem's migration lock; held is
-// false when none does (or the check failed: the migration reports what matters).
-func lockHolder(ctx context.Context, db *sql.DB) (pid int, held bool) {
-	pid, held, err := pgstore.MigrationLockHolder(ctx, queryRow(db), migrations.LockID)
-	return pid, held && err == nil
+// lockHolder names the run holding pgidem's migration lock (migrations.LockHolder); held
+// is false when none does (or the check failed: the migration reports what matters).
+func lockHolder(ctx context.Context, db *sql.DB) (holder string, held bool) {
+	holder, _, held, err := migrations.LockHolder(ctx, db)
+	return holder, held && err == nil
 }
 
 // queryRow adapts db to the catalog reads of internal/store.

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/pressly/goose/v3/lock"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/internal/testdb"
@@ -383,30 +384,44 @@ func TestInstalledOffSearchPath(t *testing.T) {
 	requireOK(t, cli(t, db.URL, "migrate", "up"))
 }
 
-// While another session holds pgidem's migration lock, migrate status answers at once
-// without waiting for the lock, and migrate up says whom it waits for, then applies once
-// the lock is free.
+// While another run holds pgidem's migration lock, migrate status answers at once and
+// migrate up says whom it waits for, then applies once the lock is free.
 func TestMigrateLockHeld(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	db := testdb.NewUnmigrated(t)
-	holder, err := db.Pool.Acquire(ctx)
-	require.NoError(t, err)
-	defer holder.Release()
-	var pid int
-	require.NoError(t, holder.QueryRow(ctx, `SELECT pg_backend_pid() FROM (SELECT pg_advisory_lock($1)) l`, migrations.LockID).Scan(&pid))
+	holder, release := holdMigrationLock(t, db.URL)
 
 	require.Contains(t, requireOK(t, cli(t, db.URL, "migrate", "status")), "pending")
 	p := startCLI(t, db.URL, "migrate", "up")
 	// The note comes while the lock is still held: the run is waiting.
 	line := p.waitLine(t, "waiting for pgidem's migration lock")
-	require.Equal(t, "pgidem: waiting for pgidem's migration lock, held by backend pid "+strconv.Itoa(pid)+
+	require.Equal(t, "pgidem: waiting for pgidem's migration lock, held by "+holder+
 		" (another migration run); giving up after about 300 s", line)
-	_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, migrations.LockID)
-	require.NoError(t, err)
+	release()
 	r := p.wait(t)
 	require.Zero(t, r.code, r.stderr)
 	require.Contains(t, r.stdout, "pgidem schema is now at version")
+}
+
+// holdMigrationLock takes pgidem's migration lock in the database at url as another
+// migration run would (goose's table locker on migrations.LockTable and LockID) and
+// returns the holder's name; release frees it (at the latest at cleanup).
+func holdMigrationLock(t *testing.T, url string) (holder string, release func()) {
+	t.Helper()
+	ctx := context.Background()
+	db, err := migrations.OpenDB(url, "")
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+	locker, err := lock.NewPostgresTableLocker(lock.WithTableName(migrations.LockTable), lock.WithTableLockID(migrations.LockID))
+	require.NoError(t, err)
+	require.NoError(t, locker.Lock(ctx, db))
+	var once sync.Once
+	release = func() { once.Do(func() { require.NoError(t, locker.Unlock(ctx, db)) }) }
+	t.Cleanup(release)
+	holder, _, held, err := migrations.LockHolder(ctx, db)
+	require.NoError(t, err)
+	require.True(t, held)
+	return holder, release
 }
 
 // cliWaitingForLock waits until a session of the CLI in db waits for a lock (a row or a
@@ -425,13 +440,8 @@ func cliWaitingForLock(t *testing.T, db *testdb.DB) {
 // to migrate, which goose finds out without the lock) says nothing about waiting.
 func TestMigrateLockNoteOnlyWhenWaiting(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	db := testdb.New(t)
-	holder, err := db.Pool.Acquire(ctx)
-	require.NoError(t, err)
-	defer holder.Release()
-	_, err = holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, migrations.LockID)
-	require.NoError(t, err)
+	holdMigrationLock(t, db.URL)
 
 	latest, _ := latestVersion(t)
 	require.Equal(t, "pgidem schema is up to date at version "+strconv.FormatInt(latest, 10)+"\n",

@@ -78,7 +78,9 @@ func TestOnlyOwnerCanFailOrRelease(t *testing.T) {
 }
 
 func testOnlyOwner(t *testing.T, how, mode string) {
-	const lease = 300 * time.Millisecond
+	// Long enough that the new holder's heartbeat keeps its lease live on a loaded machine
+	// while the test inspects it; short enough that the stale holder learns of the loss soon.
+	const lease = 1500 * time.Millisecond
 	var lost atomic.Int64
 	b := setup(t, &pgidem.Config{Lease: lease, Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
 		if e.Kind == pgidem.EventLeaseLost {

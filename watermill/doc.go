@@ -52,7 +52,7 @@
 // record commit together. A handler that also sends mail calls [pgidem.Do] for it, keyed
 // by the effect ("order-9.invoice"):
 //
-//	router.AddNoPublisherHandler("billing", "orders", sub, func(msg *message.Message) error {
+//	router.AddConsumerHandler("billing", "orders", sub, func(msg *message.Message) error {
 //		_, err := handle(msg)
 //		return err
 //	})

@@ -11,7 +11,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
-
 )
 
 // errCrash stands for the consumer dying after the handler's effect and before the ack:
@@ -137,4 +136,3 @@ func requireLabCounts(t *testing.T, mode labMode, c labCounts) {
 	}
 	require.Equal(t, want, c)
 }
-

@@ -7,5 +7,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m)
+	// Sarama (under watermill-kafka) meters through go-metrics, whose meters share one
+	// process-wide ticker goroutine that is started once and never stopped by design.
+	goleak.VerifyTestMain(m, goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"))
 }

@@ -229,6 +229,23 @@ func TestHandler(t *testing.T) {
 		require.Equal(t, int32(1), runs.Load())
 	})
 
+	t.Run("MessagesTooLargeToStoreAreAckedOnceAndNotRerun", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, &pgidem.Config{MaxValueBytes: 1024})
+		var runs atomic.Int32
+		h := b.newMiddleware(t, nil).Handler(func(msg *message.Message) ([]*message.Message, error) {
+			runs.Add(1)
+			return []*message.Message{message.NewMessage("out-1", make([]byte, 4096))}, nil
+		})
+		out, err := h(orderMessage("m-1", "order-9", "evt-9"))
+		require.NoError(t, err) // the effect ran: acked with its messages
+		require.Len(t, out, 1)
+		out, err = h(orderMessage("m-1", "order-9", "evt-9"))
+		require.NoError(t, err) // the redelivery is acked without them, and the handler does not run again
+		require.Nil(t, out)
+		require.Equal(t, int32(1), runs.Load())
+	})
+
 	t.Run("HandlerSeesTheKeyAndTheContextIsRestored", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, nil)

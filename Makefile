@@ -20,9 +20,11 @@ all: lint test
 build:
 	$(GO) build ./...
 
-## test: every package under the race detector, against real Postgres.
+## test: every package under the race detector, against real Postgres (and, for the
+## watermill module, RabbitMQ on 127.0.0.1:5672 and an in-process Kafka).
 test:
 	$(GO) test -race -count=1 -timeout 20m $(TEST_FLAGS) ./...
+	cd watermill && $(GO) test -race -count=1 -timeout 20m $(TEST_FLAGS) ./...
 
 ## fuzz: each fuzz target for FUZZTIME, against real Postgres (seed corpora in each package's testdata/fuzz).
 fuzz:
@@ -37,6 +39,7 @@ lint:
 	if [ -n "$$unformatted" ]; then echo "gofmt needs to run on:"; echo "$$unformatted"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) run $(STATICCHECK) ./...
+	cd watermill && $(GO) vet ./... && $(GO) run $(STATICCHECK) ./...
 
 ## demo: the lab's three redelivery scenes, the Kafka consumer, the River worker, the HTTP API and reconciling a takeover, on real Postgres.
 demo:
@@ -68,3 +71,4 @@ bench-http:
 
 tidy:
 	$(GO) mod tidy
+	cd watermill && $(GO) mod tidy

@@ -6,7 +6,7 @@
 //
 // The server is real: net/http on a loopback port, with POST /payments behind
 // pgidemhttp.Middleware. The handler charges a card at a payment provider (in-process,
-// counting its charges, taking 300 ms) and writes a payment row. Under a key it runs both
+// counting its charges, taking a second) and writes a payment row. Under a key it runs both
 // effects under pgidemhttp.ScopedKey too, the charge with pgidem.Do and the row with
 // pgidem.DoInTx, so that even a retry that runs the handler again (after its server died
 // mid-request) replays the effects that completed instead of charging and writing twice.
@@ -60,7 +60,7 @@ import (
 // chargeTime is how long the provider takes to charge a card; the client of the lost
 // response gives up after clientTimeout.
 const (
-	chargeTime    = 300 * time.Millisecond
+	chargeTime    = time.Second
 	clientTimeout = 100 * time.Millisecond
 )
 

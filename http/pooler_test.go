@@ -39,7 +39,7 @@ func TestPoolerHTTP(t *testing.T) {
 			pool, err := pgxpool.NewWithConfig(ctx, cfg)
 			require.NoError(t, err)
 			t.Cleanup(pool.Close)
-			coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{Lease: 5 * time.Second})
+			coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{Lease: 5 * time.Second, FinishTimeout: 30 * time.Second, PollOnly: true})
 			require.NoError(t, err)
 			mw, err := pgidemhttp.New(coord, &pgidemhttp.Config{Principal: principalFromHeader, InFlight: pgidem.InFlightWait})
 			require.NoError(t, err)

@@ -41,7 +41,7 @@ func setupPooler(t *testing.T, mode string) *poolerBundle {
 	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	return &poolerBundle{testBundle: b, pool: pool, coord: b.newCoordOn(t, pool, &pgidem.Config{Lease: 5 * time.Second})}
+	return &poolerBundle{testBundle: b, pool: pool, coord: b.newCoordOn(t, pool, &pgidem.Config{Lease: 5 * time.Second, FinishTimeout: 30 * time.Second, PollOnly: true})}
 }
 
 // effectsPerKey returns, for kind, how many effects ran per key.

@@ -94,7 +94,7 @@ func (b *bundle) insertPoolerJobs(t *testing.T, pool *pgxpool.Pool, args func(or
 func poolerRiverMiddleware(t *testing.T, mode string) {
 	b := setup(t)
 	pool := b.poolerPool(t, mode)
-	coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{Lease: 5 * time.Second, Logger: testLogger(t)})
+	coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{Lease: 5 * time.Second, FinishTimeout: 30 * time.Second, PollOnly: true, Logger: testLogger(t)})
 	require.NoError(t, err)
 	mw, err := pgidemriver.NewMiddleware(coord, &pgidemriver.Config{Logger: testLogger(t)})
 	require.NoError(t, err)
@@ -134,7 +134,7 @@ func poolerRiverWorkInTx(t *testing.T, mode string) {
 	_, err := b.db.Pool.Exec(b.ctx, shipmentsSchema)
 	require.NoError(t, err)
 	pool := b.poolerPool(t, mode)
-	coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{Lease: 5 * time.Second, Logger: testLogger(t)})
+	coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{Lease: 5 * time.Second, FinishTimeout: 30 * time.Second, PollOnly: true, Logger: testLogger(t)})
 	require.NoError(t, err)
 	workers := river.NewWorkers()
 	river.AddWorker(workers, &shipWorker{coord: coord})

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -73,13 +74,19 @@ func TestWaiterReservesAgainAfterRelease(t *testing.T) {
 	<-holding
 	waiter := make(chan pgidem.Result[string], 1)
 	waiterErr := make(chan error, 1)
-	other := b.newCoordOn(t, b.newPool(t, nil), nil)
+	waiting := make(chan struct{})
+	var once sync.Once
+	other := b.newCoordOn(t, b.newPool(t, nil), &pgidem.Config{Hook: pgidem.HookFunc(func(_ context.Context, e pgidem.Event) {
+		if e.Kind == pgidem.EventWaited {
+			once.Do(func() { close(waiting) })
+		}
+	})})
 	go func() {
 		res, err := pgidem.DoResult(b.ctx, other, "mail", "k", testTTL, nil, func(context.Context) (string, error) { return "waiter", nil })
 		waiter <- res
 		waiterErr <- err
 	}()
-	time.Sleep(100 * time.Millisecond) // the waiter polls
+	<-waiting // the waiter found the holder's record and waits
 	close(release)
 	require.ErrorIs(t, <-holderErr, transient)
 	res := <-waiter

@@ -19,6 +19,9 @@ const (
 	StatusCompleted = store.StatusCompleted
 	// StatusFailed: the effect failed permanently ([Permanent]); the failure is replayed.
 	StatusFailed = store.StatusFailed
+	// StatusParked: holders kept dying until the record's attempts reached the cap
+	// ([Config.MaxAttempts]); calls get a [*ParkedError] until it is forgotten or expires.
+	StatusParked = store.StatusParked
 )
 
 // Record is one row of pgidem_record, as returned by [Coordinator.Lookup].

@@ -343,8 +343,7 @@ func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 		InFlight: cfg.InFlight, PollIntervalMin: cfg.PollIntervalMin, PollIntervalMax: cfg.PollIntervalMax,
 		FinishTimeout: cfg.FinishTimeout, MaxBatch: cfg.MaxBatch, Order: cfg.Order, MaxKeyBytes: cfg.MaxKeyBytes,
 		MaxNamespaceBytes: cfg.MaxNamespaceBytes, MaxValueBytes: cfg.MaxValueBytes, FailOpen: cfg.FailOpen, PollOnly: cfg.PollOnly,
-		MaxAttempts: cfg.MaxAttempts,
-		Logger:      logger, Emit: emit,
+		MaxAttempts: cfg.MaxAttempts, Logger: logger, Emit: emit,
 	})}
 	return c, nil
 }

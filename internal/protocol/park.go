@@ -82,12 +82,16 @@ func (c *Engine) park(ctx context.Context, db store.Executor, cl *Call, r *store
 	return true, nil
 }
 
-// parkTx parks r in tx (DoTx): the park commits with tx. parked is false when the record
-// changed since it was read.
-func (c *Engine) parkTx(ctx context.Context, tx pgx.Tx, cl *Call, r *store.Row) (bool, error) {
+// parkTx parks r in tx (DoTx): the park commits with tx. done is true when DoTx returns:
+// with err, or with the parked record reported in res (OutcomeParked). false means the
+// record changed since it was read: read it again.
+func (c *Engine) parkTx(ctx context.Context, tx pgx.Tx, cl *Call, r *store.Row, res *Report) (done bool, err error) {
 	parked, err := c.park(ctx, tx, cl, r)
 	if err != nil {
-		return false, c.logStoreError(ctx, cl, store.Wrap("park", err))
+		return true, c.logStoreError(ctx, cl, store.Wrap("park", err))
+	}
+	if parked {
+		res.Row, res.Attempts, res.Outcome = *r, r.Attempts, OutcomeParked
 	}
 	return parked, nil
 }

@@ -118,13 +118,8 @@ func (c *Engine) doTx(ctx context.Context, tx pgx.Tx, cl *Call, fn func(ctx cont
 		case found && r.AtCap(cl.maxAttempts):
 			// A dead Do holder left the record at the attempts cap: park it in tx instead
 			// of taking it over (read again when it changed meanwhile).
-			parked, err := c.parkTx(ctx, tx, cl, &r)
-			if err != nil {
+			if done, err := c.parkTx(ctx, tx, cl, &r, &res); done {
 				return res, false, err
-			}
-			if parked {
-				res.Row, res.Attempts, res.Outcome = r, r.Attempts, OutcomeParked
-				return res, false, nil
 			}
 
 		default:

@@ -35,6 +35,7 @@ var outcomeActions = map[pgidem.Outcome]action{
 	pgidem.OutcomeFingerprintMismatch: always(keyReused),
 	pgidem.OutcomeStoreError:          beforeNext(storeUnavailable),
 	pgidem.OutcomeStoredFailure:       storedFailure,
+	pgidem.OutcomeParked:              always(keyParked),
 	pgidem.OutcomeInvalid:             beforeNext(internalError),
 	pgidem.OutcomeNone:                beforeNext(internalError),
 }
@@ -60,6 +61,11 @@ var (
 	keyReused = answer{status: http.StatusUnprocessableEntity, code: "idempotency_key_reused",
 		title:  "Idempotency-Key is already used",
 		detail: "This Idempotency-Key was used for a different request (another method, path, query or body)."}
+	// A parked key is no conflict a retry resolves (no Retry-After) and no fault of the
+	// request (not 422): the key's state refuses it until an operator forgets the record.
+	keyParked = answer{status: http.StatusConflict, code: "idempotency_key_parked",
+		title:  "Idempotency-Key parked",
+		detail: "Earlier requests with this Idempotency-Key stopped before finishing too many times; it is refused until an operator releases it."}
 	storeUnavailable = answer{status: http.StatusServiceUnavailable, code: "store_unavailable",
 		title:      "Idempotency store unavailable",
 		detail:     "The request was not processed because its Idempotency-Key could not be reserved; retry later.",

@@ -240,6 +240,36 @@ func TestStoredFailureIsNotReplayed(t *testing.T) {
 	require.Equal(t, int64(0), b.calls.Load())
 }
 
+// A key whose record is parked (its holders kept dying until the coordinator's
+// MaxAttempts) is refused with 409 idempotency_key_parked and no Retry-After: a retry
+// does not help until an operator forgets the record, after which the handler runs.
+func TestParkedKeyIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t, &pgidem.Config{MaxAttempts: 2})
+	h := b.handler(t, nil, b.createOrder())
+	ctx := context.Background()
+	key := pgidemhttp.RecordKey("alice", "parked")
+	_, err := b.db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts, lease_expires_at, expires_at, updated_at)
+		VALUES ($1, $2, 'in_progress', gen_random_uuid(), 2, now() - interval '1 second', now() + interval '1 hour', now() - interval '1 minute')`,
+		pgidemhttp.NamespaceDefault, key)
+	require.NoError(t, err)
+
+	for range 2 { // the request that parks the record, then one that finds it parked
+		w := serve(h, request("POST", "/orders", "alice", `"parked"`, "x"))
+		requireProblem(t, w, http.StatusConflict, "idempotency_key_parked")
+		require.Empty(t, w.Header().Get("Retry-After"))
+	}
+	require.Equal(t, int64(0), b.calls.Load())
+	rec, err := b.coord.Lookup(ctx, pgidemhttp.NamespaceDefault, key)
+	require.NoError(t, err)
+	require.Equal(t, pgidem.StatusParked, rec.Status)
+
+	_, err = b.coord.Forget(ctx, pgidemhttp.NamespaceDefault, key, nil)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusCreated, serve(h, request("POST", "/orders", "alice", `"parked"`, "x")).Code)
+	require.Equal(t, int64(1), b.calls.Load())
+}
+
 // A call the coordinator refuses (here: the request comes in within a pgidem.Do that holds
 // its very record, and would wait for itself) is a server fault: 500, and the handler
 // never runs.

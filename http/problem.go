@@ -31,6 +31,10 @@ type Problem struct {
 	//   - "idempotency_key_in_progress" (409): the first request with the key is still
 	//     running, or took this one's key over while it ran; Retry-After says when a retry
 	//     is worth it;
+	//   - "idempotency_key_parked" (409, without Retry-After): earlier requests with the
+	//     key were taken over until the coordinator's MaxAttempts, so the key is parked
+	//     and every request with it is refused, unprocessed, until an operator forgets its
+	//     record (pgidem records forget) or it expires;
 	//   - "store_unavailable" (503): the key could not be reserved, and the request was not
 	//     processed; Retry-After: 1;
 	//   - "outcome_unknown" (503): the request was processed (its handler ran and wrote

@@ -23,7 +23,8 @@ import (
 
 // catalogSQL lists every object a migration could leave behind in the database, outside
 // the system schemas: schemas, relations (tables, indexes, sequences, views), types,
-// functions, constraints, user triggers, rules, policies, extensions and event triggers.
+// functions, constraints (with their definitions, so a migration that only changes one
+// is seen), user triggers, rules, policies, extensions and event triggers.
 const catalogSQL = `
 WITH user_ns AS (
 	SELECT oid, nspname FROM pg_catalog.pg_namespace
@@ -37,7 +38,7 @@ UNION ALL SELECT 'type ' || n.nspname || '.' || t.typname
 	FROM pg_catalog.pg_type t JOIN user_ns n ON n.oid = t.typnamespace
 UNION ALL SELECT 'function ' || n.nspname || '.' || p.proname
 	FROM pg_catalog.pg_proc p JOIN user_ns n ON n.oid = p.pronamespace
-UNION ALL SELECT 'constraint ' || n.nspname || '.' || c.conname
+UNION ALL SELECT 'constraint ' || n.nspname || '.' || c.conname || ' ' || pg_catalog.pg_get_constraintdef(c.oid)
 	FROM pg_catalog.pg_constraint c JOIN user_ns n ON n.oid = c.connamespace
 UNION ALL SELECT 'trigger ' || t.tgname FROM pg_catalog.pg_trigger t WHERE NOT t.tgisinternal
 UNION ALL SELECT 'rule ' || r.rulename FROM pg_catalog.pg_rewrite r

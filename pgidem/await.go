@@ -11,6 +11,8 @@ import (
 //   - A completed record: its value, decoded into T (as a replay of [Do]; a value that
 //     does not decode returns an error matching [ErrReplayNotDecodable]).
 //   - A stored failure: a [*StoredFailureError].
+//   - A parked record ([Config.MaxAttempts]): a [*ParkedError]. Await never parks one
+//     itself: a dead holder's record below is "no live holder".
 //   - In progress under a live lease: Await waits for it as [Do] does, under the in-flight
 //     policy and wait budget of opts (an [*InProgressError] when the budget runs out or
 //     under [InFlightRaise]; ctx's error when ctx ends).

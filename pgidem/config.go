@@ -219,6 +219,19 @@ type Config struct {
 	// [EventFailOpen]. Default false: never run unprotected.
 	FailOpen bool
 
+	// MaxAttempts caps takeovers: a record whose holder's lease ran out (it died, without
+	// releasing the key) when its attempts had already reached MaxAttempts is parked
+	// instead of taken over, and fn does not run again. Calls for the key then get a
+	// [*ParkedError] (matching [ErrParked]; [OutcomeParked]) until an operator forgets the
+	// record ([Coordinator.Forget], `pgidem records forget`) or it expires; `pgidem
+	// records list --status parked` lists them. A holder that returned an error released
+	// the key: that is a retry, never parked. Set it where callers have no retry cap of
+	// their own, so an effect that kills its process (out of memory, a crash) is not
+	// restarted for ever: HTTP handlers, message consumers. River jobs have River's own
+	// max attempts, which still applies. [DoOpts.MaxAttempts] overrides it per call.
+	// Default 0: no cap, a dead holder's record is always taken over. Not negative.
+	MaxAttempts int
+
 	// PollOnly, when true, makes callers waiting for a record in progress only poll it
 	// (every [Config.PollIntervalMin] growing to [Config.PollIntervalMax]). Default false:
 	// a holder that finishes a record also sends a notification (pg_notify on channel
@@ -280,6 +293,8 @@ func (c *Config) validate() error {
 		return invalidArgument("Config.MaxBatch %d must be positive", c.MaxBatch)
 	case c.MaxKeyBytes < 1 || c.MaxNamespaceBytes < 1 || c.MaxKeyBytes > MaxKeyBytesMax-c.MaxNamespaceBytes:
 		return invalidArgument("Config.MaxKeyBytes %d and Config.MaxNamespaceBytes %d must be positive with a sum of at most %d", c.MaxKeyBytes, c.MaxNamespaceBytes, MaxKeyBytesMax)
+	case c.MaxAttempts < 0:
+		return invalidArgument("Config.MaxAttempts %d must not be negative", c.MaxAttempts)
 	case c.MaxValueBytes < 1 || c.MaxValueBytes > MaxValueBytesMax:
 		return invalidArgument("Config.MaxValueBytes %d must be positive and at most %d", c.MaxValueBytes, MaxValueBytesMax)
 	}
@@ -338,7 +353,7 @@ func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 		InFlight: cfg.InFlight, PollIntervalMin: cfg.PollIntervalMin, PollIntervalMax: cfg.PollIntervalMax,
 		FinishTimeout: cfg.FinishTimeout, MaxBatch: cfg.MaxBatch, Order: cfg.Order, MaxKeyBytes: cfg.MaxKeyBytes,
 		MaxNamespaceBytes: cfg.MaxNamespaceBytes, MaxValueBytes: cfg.MaxValueBytes, FailOpen: cfg.FailOpen, PollOnly: cfg.PollOnly,
-		Logger: logger, Emit: emit, Round: roundFunc(rounds),
+		MaxAttempts: cfg.MaxAttempts, Logger: logger, Emit: emit, Round: roundFunc(rounds),
 	}), calls: calls}
 	return c, nil
 }

@@ -58,6 +58,12 @@ type DoOpts struct {
 	// context (the key, the fence, the heartbeat's cancellation). Used by [Do] and
 	// [DoResult] only: a transaction's effect is never half done. Default nil: fn runs.
 	Reconcile func(ctx context.Context, t Takeover) (value any, found bool, err error)
+
+	// MaxAttempts overrides [Config.MaxAttempts] for this call: a record whose holder died
+	// at this many attempts or more is parked instead of taken over ([*ParkedError]).
+	// Default 0: the config's. A negative one returns an error matching
+	// [ErrInvalidArgument]. Await ignores it.
+	MaxAttempts int
 }
 
 // Takeover is what [DoOpts.Reconcile] is told about a key an earlier holder may have run
@@ -70,7 +76,7 @@ func (o *DoOpts) engineOpts() *protocol.Opts {
 		return nil
 	}
 	return &protocol.Opts{Fingerprint: o.Fingerprint, InFlight: o.InFlight, WaitTimeout: o.WaitTimeout,
-		Lease: o.Lease, ReserveFirst: o.ReserveFirst}
+		Lease: o.Lease, ReserveFirst: o.ReserveFirst, MaxAttempts: o.MaxAttempts}
 }
 
 // Result is what [DoResult] returns: fn's value and how it was obtained.
@@ -176,7 +182,9 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // ([InFlightWait] by default, [InFlightRaise]); a waiter gives up with an
 // [*InProgressError] after the wait timeout, or with ctx.Err() when ctx ends, and never
 // writes. A record whose lease expired (its holder died) is taken over and fn runs again
-// with Attempts incremented; an expired record behaves exactly like no record.
+// with Attempts incremented, unless its attempts reached [Config.MaxAttempts]: then it is
+// parked and the call, like every later one, returns a [*ParkedError] without running fn.
+// An expired record behaves exactly like no record.
 //
 // Database errors before fn runs return a [*StoreError] (matching [ErrStoreUnavailable])
 // and fn is not run, unless [Config.FailOpen] is set. Cancelling ctx before fn runs
@@ -248,10 +256,14 @@ func assignValue[T any](value *T, v any) error {
 	return nil
 }
 
-// decodeReplay turns a completed or failed record into the caller's value or error.
+// decodeReplay turns a completed, failed or parked record into the caller's value or
+// error.
 func decodeReplay[T any](namespace, key string, r *store.Row, value *T) error {
-	if r.Status == store.StatusFailed {
+	switch r.Status {
+	case store.StatusFailed:
 		return protocol.StoredFailure(namespace, key, r)
+	case store.StatusParked:
+		return protocol.Parked(namespace, key, r)
 	}
 	if err := json.Unmarshal(r.Result, value); err != nil {
 		return fmt.Errorf("%w: %s/%s: decode stored result into %T: %w", ErrReplayNotDecodable, namespace, key, *value, err)

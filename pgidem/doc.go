@@ -51,6 +51,11 @@
 // of a lease before its lease can end, so before anyone can take over; a lease granted by
 // a statement that waited (behind another transaction's lock) is renewed before fn starts.
 //
+// An effect that kills its process every time (out of memory, a crash in a library) would
+// be taken over for ever; [Config.MaxAttempts] caps that: a dead holder's record at the
+// cap is parked instead ([StatusParked]), and calls get a [*ParkedError] until an
+// operator forgets it. Off by default.
+//
 // All time arithmetic for leases and TTLs uses the database clock (now()), never the
 // client's; the holder only measures durations on its own clock, from the moment it sent
 // the statement that granted or renewed the lease.

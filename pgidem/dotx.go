@@ -93,6 +93,11 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 //     the completed record with attempts incremented (the foreign effect may have happened
 //     too); Result.TookOver is set and the takeover is logged. The dead holder's owner
 //     token no longer matches, so its late writes are refused ([ErrLeaseLost]).
+//   - Do's holder died at the attempts cap ([Config.MaxAttempts], [DoOpts.MaxAttempts]):
+//     DoTx parks the record in tx instead of taking it over and returns a [*ParkedError]
+//     without running fn. Commit tx to keep the park ([DoInTx] commits it); rolled back,
+//     the next call finds the dead holder's record and parks it again. A parked record
+//     replays the same error.
 //   - Do reserves the key while DoTx's fn runs: DoTx's upsert leaves Do's live row alone,
 //     DoTx rolls back to its savepoint (fn's writes are undone) and decides again as above,
 //     so the effect still happens once — Do's. The same holds when fn returned a

@@ -76,6 +76,12 @@ var (
 	// [Coordinator.Lookup] (Record.Result), or move the new type to a new namespace.
 	ErrReplayNotDecodable = protocol.ErrReplayNotDecodable
 
+	// ErrParked means the key's record is parked: holders that died took it over until
+	// its attempts reached the cap ([Config.MaxAttempts], [DoOpts.MaxAttempts]), so fn
+	// is not run again until an operator forgets the record ([Coordinator.Forget]) or it
+	// expires. See [*ParkedError].
+	ErrParked = protocol.ErrParked
+
 	// ErrNotFound is returned by [Coordinator.Lookup], [Coordinator.LookupTx] and
 	// [Coordinator.Forget] when no record row exists for the key.
 	ErrNotFound = protocol.ErrNotFound
@@ -130,6 +136,12 @@ type PermanentError = protocol.PermanentError
 // tells pgidem's verdict apart from one fn's own error may carry from a nested call;
 // errors.Is and errors.As reach both Err and Cause.
 type FailureNotStoredError = protocol.FailureNotStoredError
+
+// ParkedError reports a record parked at the attempts cap ([Config.MaxAttempts]): [Do],
+// [DoTx], [DoInTx] (and their Result forms) and [Await] return it, whether the call parked
+// the record or found it parked, and fn does not run. It carries the record's Namespace,
+// Key and Attempts, and matches [ErrParked].
+type ParkedError = protocol.ParkedError
 
 // StoredFailureError is a permanent failure replayed from the record. It matches
 // [ErrPermanent] (and [ErrResultNotStorable] when that is what was stored).

@@ -9,8 +9,8 @@ import (
 // EventKind names an outcome counted through [Hook].
 type EventKind = protocol.EventKind
 
-// Event kinds. A call reports at most one of Executed, Replayed, InProgress, InvalidKey,
-// FingerprintMismatch or StoreError as its outcome (a cancelled caller reports none), plus
+// Event kinds. A call reports at most one of Executed, Replayed, Parked, InProgress,
+// InvalidKey, FingerprintMismatch or StoreError as its outcome (a cancelled caller reports none), plus
 // Waited, TakenOver, LeaseLost or FailOpen when those happened along the way (FailOpen
 // follows the StoreError that caused it; a failed heartbeat or finishing write reports a
 // StoreError after Executed). Sweep reports Swept; the inbox reports EventInboxRecorded or
@@ -32,6 +32,10 @@ const (
 	// EventReconciled: [DoOpts.Reconcile] found an earlier holder's effect done; fn did
 	// not run.
 	EventReconciled = protocol.EventReconciled
+	// EventParked: the call parked a record at the attempts cap ([Config.MaxAttempts])
+	// instead of taking it over; a call that finds a record parked reports
+	// [EventReplayed].
+	EventParked = protocol.EventParked
 	// EventStoreError: a database error was returned or logged.
 	EventStoreError = protocol.EventStoreError
 	// EventInvalidKey: the call's input was rejected before fn ran: namespace, key,

@@ -31,6 +31,10 @@ const (
 	// OutcomeStoredFailure: a stored [Permanent] failure was replayed as a
 	// [*StoredFailureError]; fn did not run.
 	OutcomeStoredFailure = protocol.OutcomeStoredFailure
+	// OutcomeParked: the record is parked at the attempts cap ([Config.MaxAttempts]):
+	// this call parked it or found it parked, and returned a [*ParkedError]; fn did not
+	// run. Result.Replayed is set: the error comes from the record.
+	OutcomeParked = protocol.OutcomeParked
 	// OutcomeInProgress: another holder's reservation is live; the call returned an
 	// [*InProgressError] and [Result.RetryAfter] holds its hint.
 	OutcomeInProgress = protocol.OutcomeInProgress

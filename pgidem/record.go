@@ -19,6 +19,9 @@ const (
 	StatusCompleted = store.StatusCompleted
 	// StatusFailed: the effect failed permanently ([Permanent]); the failure is replayed.
 	StatusFailed = store.StatusFailed
+	// StatusParked: holders kept dying until the record's attempts reached the cap
+	// ([Config.MaxAttempts]); calls get a [*ParkedError] until it is forgotten or expires.
+	StatusParked = store.StatusParked
 )
 
 // Record is one row of pgidem_record, as returned by [Coordinator.Lookup].
@@ -58,8 +61,9 @@ type ForgetOpts struct {
 // the effect right now. The check and the delete are one statement, so a holder renewing
 // or taking the record over at the same moment is never deleted without Force; a record
 // that such writes keep making live again is refused the same way after three attempts,
-// with a RetryAfter of 1 ms and no LeaseExpiresAt. Cancelling ctx returns an error
-// matching ctx's, not a store error.
+// with a RetryAfter of 1 ms and no LeaseExpiresAt. A parked record ([StatusParked]) is
+// deleted like a completed one: forgetting it is how an operator lets the key run again.
+// Cancelling ctx returns an error matching ctx's, not a store error.
 //
 // It returns an [*InvalidKeyError] for a key no call could have stored, [ErrNotFound]
 // when there is no row, and a [*StoreError] for a database error. Inbox rows are not

@@ -32,7 +32,10 @@ const (
 	// ActionCancelled: the effect failed permanently (the worker returned a
 	// [pgidem.Permanent] error, now or on an earlier job with the key, possibly wrapped in
 	// its own river.JobCancel); the failure was stored and the job cancelled with
-	// river.JobCancel so River does not retry it. When the store kept failing, the job is
+	// river.JobCancel so River does not retry it. A key whose record is parked
+	// ([pgidem.OutcomeParked]: holders kept dying until [pgidem.Config.MaxAttempts]) is
+	// cancelled the same way, with the [*pgidem.ParkedError]: it needs an operator, and a
+	// retry would only find it parked again. When the store kept failing, the job is
 	// cancelled all the same but the failure is not stored ([Outcome.RecordNotCompleted]):
 	// a later job with the key takes the record over once its lease ends and runs the
 	// worker again.
@@ -101,6 +104,8 @@ func decide(f facts) verdict {
 			return verdict{action: ActionReplayed, reply: replyNil, outputNotStored: true}
 		}
 		return verdict{action: ActionCancelled, reply: replyCancelReplayed}
+	case pgidem.OutcomeParked: // the worker did not run; the key needs an operator
+		return verdict{action: ActionCancelled, reply: replyCancel}
 	case pgidem.OutcomeInProgress:
 		return verdict{action: ActionSnoozed, reply: replySnooze}
 	case pgidem.OutcomeExecuted, pgidem.OutcomeTakenOver, pgidem.OutcomeFailOpen:

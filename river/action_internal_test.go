@@ -33,6 +33,7 @@ func TestDecide(t *testing.T) {
 		{"WaitedReplayed", facts{outcome: pgidem.OutcomeWaitedReplayed}, verdict{action: ActionReplayed, reply: replyReplay}},
 		{"ReplayNotDecodable", facts{outcome: pgidem.OutcomeReplayed, failed: true}, verdict{action: ActionError, reply: replyWrapped}},
 		{"StoredFailure", facts{outcome: pgidem.OutcomeStoredFailure, failed: true}, verdict{action: ActionCancelled, reply: replyCancelReplayed}},
+		{"Parked", facts{outcome: pgidem.OutcomeParked, failed: true}, verdict{action: ActionCancelled, reply: replyCancel}},
 		{"StoredOutputNotStorable", facts{outcome: pgidem.OutcomeStoredFailure, failed: true, notStorable: true},
 			verdict{action: ActionReplayed, reply: replyNil, outputNotStored: true}},
 		{"InProgress", facts{outcome: pgidem.OutcomeInProgress, failed: true}, verdict{action: ActionSnoozed, reply: replySnooze}},

@@ -190,6 +190,10 @@ func txAnswer(ctx context.Context, job *rivertype.JobRow, namespace, key string,
 		return err // fn's value could not be stored; its writes are undone: River retries
 	case pgidem.OutcomeStoredFailure:
 		return river.JobCancel(err) // the key's stored failure, replayed: River stops
+	case pgidem.OutcomeParked:
+		// The key is parked (DoTx parked it in tx, or found it parked): River stops, and
+		// the worker commits tx, which keeps the park.
+		return river.JobCancel(err)
 	case pgidem.OutcomeInProgress:
 		// Another transaction holds the key. Clamped like the middleware's snooze: never a
 		// busy loop, never a whole lease.

@@ -41,6 +41,7 @@ var outcomeReplies = map[pgidem.Outcome]reply{
 	pgidem.OutcomeWaitedReplayed: replay,
 	pgidem.OutcomeReconciled:     replay,
 	pgidem.OutcomeStoredFailure:  storedFailure,
+	pgidem.OutcomeParked:         storedFailure, // holders kept dying: like a permanent failure, until an operator forgets the record
 
 	// The handler did not run, and nothing is known yet: nack, for a later redelivery.
 	pgidem.OutcomeInProgress:          nack,

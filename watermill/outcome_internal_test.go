@@ -16,6 +16,7 @@ func TestOutcomeRepliesCoverEveryOutcome(t *testing.T) {
 		pgidem.OutcomeReplayed, pgidem.OutcomeWaitedReplayed, pgidem.OutcomeStoredFailure,
 		pgidem.OutcomeInProgress, pgidem.OutcomeFingerprintMismatch, pgidem.OutcomeLeaseLost,
 		pgidem.OutcomeNotStored, pgidem.OutcomeFailOpen, pgidem.OutcomeInvalid, pgidem.OutcomeStoreError,
+		pgidem.OutcomeParked,
 	} {
 		require.Contains(t, outcomeReplies, o, "outcome %v", o)
 	}

@@ -17,12 +17,12 @@ import (
 )
 
 // statusValues lists the values of pgidem_record.status, for messages.
-const statusValues = "in_progress, completed, failed"
+const statusValues = "in_progress, completed, failed, parked"
 
 // validStatus reports whether s is a value of pgidem_record.status.
 func validStatus(s string) bool {
 	switch s {
-	case "in_progress", "completed", "failed":
+	case "in_progress", "completed", "failed", "parked":
 		return true
 	}
 	return false
@@ -80,6 +80,8 @@ func (a *app) recordsListCommand() *cobra.Command {
 		Long: `Lists records, newest first, with times measured on the database clock.
 
 ATTEMPTS > 1 means the lease was taken over: the effect may have run more than once.
+STATUS parked means its holders kept dying until the attempts cap (the coordinator's
+MaxAttempts): calls with its key fail until it is forgotten (records forget) or expires.
 LEASE is the time left before another caller may take an in-progress record over.
 EXPIRES is the time left before the record expires; an expired record behaves like no
 record and is deleted by the next sweep, unless it is in progress under a live lease.
@@ -92,6 +94,7 @@ record's result and error (the table leaves them out, and does not read them).
 ` + quotingNote,
 		Example: `  pgidem records list --namespace invoices --min-attempts 2
   pgidem records list --status in_progress --limit 20
+  pgidem records list --status parked
   pgidem records list --expired --json`,
 		Args: cobra.NoArgs,
 		RunE: a.action(func(cmd *cobra.Command, _ []string) error {
@@ -213,7 +216,8 @@ func (a *app) recordsForgetCommand() *cobra.Command {
 effect again: use it to replay an effect by hand after an incident. It prints the record
 it deleted.
 
-A record in progress under a live lease (and not past its TTL) is refused: its holder
+Forgetting a parked record (records list --status parked) is how its key is let run
+again. A record in progress under a live lease (and not past its TTL) is refused: its holder
 may be running the effect right now, and deleting the record would let a second caller
 run it in parallel. A live holder keeps renewing its lease, so the lease ends only once
 the holder is gone (or finishes); try again then, or pass --force if you know the holder

@@ -100,7 +100,9 @@ func TestRecordsList(t *testing.T) {
 	})
 
 	t.Run("BadFilters", func(t *testing.T) {
-		require.Contains(t, requireFail(t, cli(t, db.URL, "records", "list", "--status", "done"), 2), "--status must be one of")
+		line := requireFail(t, cli(t, db.URL, "records", "list", "--status", "done"), 2)
+		require.Contains(t, line, "--status must be one of")
+		require.Contains(t, line, "parked")
 		requireFail(t, cli(t, db.URL, "records", "list", "--min-attempts", "x"), 2)
 		requireFail(t, cli(t, db.URL, "records", "list", "--limit", "-1"), 2)
 		requireFail(t, cli(t, db.URL, "records", "list", "extra"), 2)
@@ -277,6 +279,59 @@ func withLockTimeout(t *testing.T, rawURL, timeout string) string {
 // beyond the printed page are stored out of line, and lockToast blocks every read of
 // them while the commands run with a lock_timeout: a read would fail the command, so a
 // command that succeeds read none of them. No statistics and no timing are involved.
+// parkRecord makes the record of (namespace, key) parked the way the library does: a
+// holder died with the key at the attempts cap, and the next call parks it.
+func parkRecord(t *testing.T, db *testdb.DB, namespace, key string, attempts int) {
+	t.Helper()
+	ctx := context.Background()
+	_, err := db.Pool.Exec(ctx, `INSERT INTO pgidem_record (namespace, key, status, owner, attempts, lease_expires_at, expires_at, updated_at)
+		VALUES ($1, $2, 'in_progress', gen_random_uuid(), $3, now() - interval '1 second', now() + interval '1 hour', now() - interval '1 minute')`,
+		namespace, key, attempts)
+	require.NoError(t, err)
+	coord, err := pgidem.NewCoordinator(db.Pool, &pgidem.Config{MaxAttempts: attempts})
+	require.NoError(t, err)
+	_, err = pgidem.Do(ctx, coord, namespace, key, time.Hour, nil, func(context.Context) (int, error) { return 1, nil })
+	require.ErrorIs(t, err, pgidem.ErrParked)
+}
+
+// A parked record is listed by --status parked and forgotten without --force; the next
+// call with its key runs the effect again.
+func TestRecordsParked(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	insert(t, db.Pool, "pgidem_record", standardFixtures()...)
+	parkRecord(t, db, "mail", "order-11.receipt", 3)
+
+	out := requireOK(t, cli(t, db.URL, "records", "list", "--status", "parked"))
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	require.Len(t, lines, 2, out)
+	require.Equal(t, []string{"mail", "order-11.receipt", "parked", "3"}, strings.Fields(lines[1])[:4])
+	require.Equal(t, "-", strings.Fields(lines[1])[5], "a parked record has no lease")
+
+	var listed []struct {
+		Key    string          `json:"key"`
+		Status string          `json:"status"`
+		Error  json.RawMessage `json:"error"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "records", "list", "--status", "parked", "--json"))), &listed))
+	require.Len(t, listed, 1)
+	require.Equal(t, "parked", listed[0].Status)
+	require.Contains(t, string(listed[0].Error), "parked after 3 attempts")
+
+	out = requireOK(t, cli(t, db.URL, "records", "forget", "mail", "order-11.receipt"))
+	require.Contains(t, out, "deleted:\n")
+	require.Contains(t, out, "status         parked\n")
+	require.Equal(t, "no records match\n", requireOK(t, cli(t, db.URL, "records", "list", "--status", "parked")))
+
+	coord, err := pgidem.NewCoordinator(db.Pool, &pgidem.Config{MaxAttempts: 3})
+	require.NoError(t, err)
+	res, err := pgidem.DoResult(context.Background(), coord, "mail", "order-11.receipt", time.Hour, nil,
+		func(context.Context) (int, error) { return 7, nil })
+	require.NoError(t, err)
+	require.Equal(t, pgidem.OutcomeExecuted, res.Outcome)
+	require.Equal(t, 7, res.Value)
+}
+
 func TestRecordsListLargeValues(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()

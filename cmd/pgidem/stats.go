@@ -20,7 +20,8 @@ func (a *app) statsCommand() *cobra.Command {
 	return &cobra.Command{
 		Use:   "stats",
 		Short: "Per-namespace counts, dead holders' and taken-over records, expired rows, table size",
-		Long: `Prints, per namespace: records by status; LEASE EXPIRED, in-progress records whose
+		Long: `Prints, per namespace: records by status (PARKED: holders kept dying until the
+attempts cap, see records list --status parked); LEASE EXPIRED, in-progress records whose
 holder stopped renewing the lease; TOOK OVER, records whose effect started more than once
 (attempts > 1); EXPIRED, records the next sweep deletes (past their TTL and not in
 progress under a live lease); and the oldest in-progress record with its lease: the
@@ -46,7 +47,7 @@ list.`,
 					return printJSON(a.stdout, statsJSON{Namespaces: namespaces, Table: total, Inbox: inbox})
 				}
 				if len(namespaces) > 0 {
-					t := newTable(a.stdout, "NAMESPACE", "IN PROGRESS", "COMPLETED", "FAILED",
+					t := newTable(a.stdout, "NAMESPACE", "IN PROGRESS", "COMPLETED", "FAILED", "PARKED",
 						"LEASE EXPIRED", "TOOK OVER", "EXPIRED", "OLDEST IN PROGRESS", "AGE", "LEASE")
 					for _, ns := range namespaces {
 						oldest, age, lease := "-", "-", "-"
@@ -54,7 +55,7 @@ list.`,
 							oldest, age, lease = quoteName(o.Key), humanDuration(o.AgeSeconds), remaining(o.LeaseRemainingSeconds)
 						}
 						t.row(quoteName(ns.Namespace), fmt.Sprint(ns.InProgress), fmt.Sprint(ns.Completed), fmt.Sprint(ns.Failed),
-							fmt.Sprint(ns.LeaseExpired), fmt.Sprint(ns.TookOver), fmt.Sprint(ns.Expired), oldest, age, lease)
+							fmt.Sprint(ns.Parked), fmt.Sprint(ns.LeaseExpired), fmt.Sprint(ns.TookOver), fmt.Sprint(ns.Expired), oldest, age, lease)
 					}
 					if err := t.flush(); err != nil {
 						return err
@@ -79,6 +80,8 @@ type namespaceStats struct {
 	InProgress int64  `json:"in_progress"`
 	Completed  int64  `json:"completed"`
 	Failed     int64  `json:"failed"`
+	// Parked counts records parked at the attempts cap: they need an operator.
+	Parked int64 `json:"parked"`
 	// LeaseExpired counts in-progress records whose holder stopped renewing the lease.
 	LeaseExpired int64 `json:"lease_expired"`
 	// TookOver counts records with attempts > 1: the effect may have run more than once.
@@ -118,14 +121,14 @@ func (s *store) stats(ctx context.Context) ([]namespaceStats, *tableStats, error
 	total := &tableStats{Table: s.display}
 	for _, r := range read {
 		ns := namespaceStats{Namespace: r.Namespace, InProgress: r.InProgress, Completed: r.Completed, Failed: r.Failed,
-			LeaseExpired: r.LeaseExpired, TookOver: r.TookOver, Expired: r.Sweepable}
+			Parked: r.Parked, LeaseExpired: r.LeaseExpired, TookOver: r.TookOver, Expired: r.Sweepable}
 		if o := r.Oldest; o != nil {
 			ns.OldestInProgress = &oldestInProgress{
 				Key: o.Key, CreatedAt: o.CreatedAt, AgeSeconds: seconds(r.DBNow.Sub(o.CreatedAt)),
 				LeaseExpiresAt: o.LeaseExpiresAt, LeaseRemainingSeconds: seconds(o.LeaseExpiresAt.Sub(r.DBNow)),
 			}
 		}
-		total.Rows += ns.InProgress + ns.Completed + ns.Failed
+		total.Rows += ns.InProgress + ns.Completed + ns.Failed + ns.Parked
 		total.Expired += ns.Expired
 		out = append(out, ns)
 	}

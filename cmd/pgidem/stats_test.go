@@ -29,10 +29,10 @@ func TestStats(t *testing.T) {
 	t.Run("Table", func(t *testing.T) {
 		out := requireOK(t, cli(t, db.URL, "stats"))
 		lines := strings.Split(out, "\n")
-		require.Equal(t, []string{"NAMESPACE", "IN", "PROGRESS", "COMPLETED", "FAILED", "LEASE", "EXPIRED", "TOOK", "OVER",
+		require.Equal(t, []string{"NAMESPACE", "IN", "PROGRESS", "COMPLETED", "FAILED", "PARKED", "LEASE", "EXPIRED", "TOOK", "OVER",
 			"EXPIRED", "OLDEST", "IN", "PROGRESS", "AGE", "LEASE"}, strings.Fields(lines[0]))
-		require.Equal(t, []string{"invoices", "2", "1", "0", "1", "1", "0", "order-7.invoice", "4h0m", "expired", "1h0m", "ago"}, strings.Fields(lines[1]))
-		require.Equal(t, []string{"mail", "0", "1", "1", "0", "0", "1", "-", "-", "-"}, strings.Fields(lines[2]))
+		require.Equal(t, []string{"invoices", "2", "1", "0", "0", "1", "1", "0", "order-7.invoice", "4h0m", "expired", "1h0m", "ago"}, strings.Fields(lines[1]))
+		require.Equal(t, []string{"mail", "0", "1", "1", "0", "0", "0", "1", "-", "-", "-"}, strings.Fields(lines[2]))
 		require.Regexp(t, `\ntable pgidem_record: 5 records \(1 expired, not swept\), \d+ kB\n`+
 			`table pgidem_inbox: 2 messages \(1 expired, not swept\), \d+ kB\n$`, out)
 	})
@@ -80,6 +80,25 @@ func TestStats(t *testing.T) {
 		require.NotNil(t, stats.Inbox)
 		require.Equal(t, "pgidem_inbox", stats.Inbox.Table)
 		require.Equal(t, []int64{2, 1}, []int64{stats.Inbox.Rows, stats.Inbox.Expired})
+	})
+
+	// A parked record counts under PARKED and in the table's rows.
+	t.Run("Parked", func(t *testing.T) {
+		parkRecord(t, db, "refunds", "order-3.refund", 2)
+		out := requireOK(t, cli(t, db.URL, "stats"))
+		lines := strings.Split(out, "\n")
+		require.Equal(t, []string{"refunds", "0", "0", "0", "1", "0", "1", "0", "-", "-", "-"}, strings.Fields(lines[3]))
+		require.Regexp(t, `\ntable pgidem_record: 6 records \(1 expired, not swept\)`, out)
+		var stats struct {
+			Namespaces []struct {
+				Namespace string `json:"namespace"`
+				Parked    int64  `json:"parked"`
+			} `json:"namespaces"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(requireOK(t, cli(t, db.URL, "stats", "--json"))), &stats))
+		require.Len(t, stats.Namespaces, 3)
+		require.Equal(t, "refunds", stats.Namespaces[2].Namespace)
+		require.Equal(t, []int64{0, 0, 1}, []int64{stats.Namespaces[0].Parked, stats.Namespaces[1].Parked, stats.Namespaces[2].Parked})
 	})
 }
 

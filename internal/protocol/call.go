@@ -17,6 +17,9 @@ type Call struct {
 	policy         InFlightPolicy
 	fingerprint    []byte
 	reserveFirst   bool
+	// maxAttempts is the attempts cap (0: none): a dead holder's record at it is parked
+	// instead of taken over.
+	maxAttempts int
 	// attempt is the record's attempt count once the call holds its reservation.
 	attempt int
 	// reconcile, when set, runs before fn for a holder whose record shows an earlier
@@ -49,12 +52,16 @@ func (c *Engine) newCall(namespace, key string, ttl time.Duration, opts *Opts) (
 		fingerprint:  opts.Fingerprint,
 		reserveFirst: opts.ReserveFirst || c.reserveFirst(namespace),
 		reconcile:    opts.Reconcile,
+		maxAttempts:  cmp.Or(opts.MaxAttempts, c.config.MaxAttempts),
 	}
 	if ttl < c.config.MinTTL || cl.lease < LeaseMin || cl.lease >= ttl {
 		return nil, &InvalidTTLError{TTL: ttl, MinTTL: c.config.MinTTL, Lease: cl.lease}
 	}
 	if opts.WaitTimeout < 0 {
 		return nil, InvalidArgument("DoOpts.WaitTimeout %s must not be negative", opts.WaitTimeout)
+	}
+	if opts.MaxAttempts < 0 {
+		return nil, InvalidArgument("DoOpts.MaxAttempts %d must not be negative", opts.MaxAttempts)
 	}
 	if cl.policy != InFlightWait && cl.policy != InFlightRaise {
 		return nil, InvalidArgument("DoOpts.InFlight %d is not a known policy", cl.policy)

@@ -18,13 +18,14 @@ type Opts struct {
 	Lease        time.Duration
 	ReserveFirst bool
 	Reconcile    Reconciler
+	MaxAttempts  int
 }
 
 // Report is what a call did: its outcome and what the record showed.
 type Report struct {
 	Outcome Outcome
 	// Row is the record replayed (OutcomeReplayed, OutcomeWaitedReplayed,
-	// OutcomeStoredFailure).
+	// OutcomeStoredFailure, OutcomeParked).
 	Row store.Row
 	// Attempts is the record's attempt count after the call; 0 when fn ran unprotected.
 	Attempts int
@@ -36,7 +37,11 @@ type Report struct {
 
 // Replayed reports whether the outcome came from the record without running fn.
 func (r *Report) Replayed() bool {
-	return r.Outcome == OutcomeReplayed || r.Outcome == OutcomeWaitedReplayed || r.Outcome == OutcomeStoredFailure
+	switch r.Outcome {
+	case OutcomeReplayed, OutcomeWaitedReplayed, OutcomeStoredFailure, OutcomeParked:
+		return true
+	}
+	return false
 }
 
 // Prepare validates a call of op for (namespace, key) and refuses one made from within the
@@ -80,7 +85,9 @@ func (c *Engine) Do(ctx context.Context, cl *Call, fn func(context.Context) erro
 	rep.Attempts = acq.row.Attempts
 
 	if !acq.held {
-		c.emit(ctx, EventReplayed, cl.namespace, 1)
+		if !acq.parked { // a call that parks the record reported EventParked instead
+			c.emit(ctx, EventReplayed, cl.namespace, 1)
+		}
 		rep.Row = acq.row
 		rep.Outcome = replayOutcome(&acq.row, acq.waited)
 		return rep, nil
@@ -102,6 +109,8 @@ func replayOutcome(r *store.Row, waited bool) Outcome {
 	switch {
 	case r.Status == store.StatusFailed:
 		return OutcomeStoredFailure
+	case r.Status == store.StatusParked:
+		return OutcomeParked
 	case waited:
 		return OutcomeWaitedReplayed
 	}

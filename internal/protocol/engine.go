@@ -30,6 +30,9 @@ type Settings struct {
 	MaxKeyBytes, MaxNamespaceBytes int
 	MaxValueBytes                  int
 	FailOpen                       bool
+	// MaxAttempts caps takeovers: a dead holder's record at this many attempts is parked
+	// (0: no cap).
+	MaxAttempts int
 	// PollOnly: waiters only poll; no notifications are sent or listened for.
 	PollOnly bool
 	Logger   *slog.Logger

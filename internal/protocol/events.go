@@ -3,8 +3,8 @@ package protocol
 // EventKind names an outcome counted through [Hook].
 type EventKind string
 
-// Event kinds. A call reports at most one of Executed, Replayed, InProgress, InvalidKey,
-// FingerprintMismatch or StoreError as its outcome (a cancelled caller reports none), plus
+// Event kinds. A call reports at most one of Executed, Replayed, Parked, InProgress,
+// InvalidKey, FingerprintMismatch or StoreError as its outcome (a cancelled caller reports none), plus
 // Waited, TakenOver, LeaseLost or FailOpen when those happened along the way (FailOpen
 // follows the StoreError that caused it; a failed heartbeat or finishing write reports a
 // StoreError after Executed). Sweep reports Swept; the inbox reports EventInboxRecorded or
@@ -26,6 +26,9 @@ const (
 	// EventReconciled: the reconcile hook found an earlier holder's effect done; fn did
 	// not run.
 	EventReconciled EventKind = "reconciled"
+	// EventParked: the call parked a record at the attempts cap instead of taking it over
+	// (a call that finds a record parked reports EventReplayed).
+	EventParked EventKind = "parked"
 	// EventStoreError: a database error was returned or logged.
 	EventStoreError EventKind = "store_error"
 	// EventInvalidKey: the call's input was rejected before fn ran: namespace, key,

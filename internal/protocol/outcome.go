@@ -25,6 +25,9 @@ const (
 	OutcomeWaitedReplayed Outcome = "waited_replayed"
 	// OutcomeStoredFailure: a stored permanent failure was replayed as an error.
 	OutcomeStoredFailure Outcome = "stored_failure"
+	// OutcomeParked: the record is parked at the attempts cap (this call parked it, or
+	// found it parked); the call returned a ParkedError and fn did not run.
+	OutcomeParked Outcome = "parked"
 	// OutcomeInProgress: another holder's reservation is live; the call gave up with an
 	// InProgressError (at once, or after waiting).
 	OutcomeInProgress Outcome = "in_progress"

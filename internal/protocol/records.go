@@ -38,8 +38,9 @@ const forgetAttempts = 3
 // the effect right now. The check and the delete are one statement, so a holder renewing
 // or taking the record over at the same moment is never deleted without Force; a record
 // that such writes keep making live again is refused the same way after three attempts,
-// with a RetryAfter of 1 ms and no LeaseExpiresAt. Cancelling ctx returns an error
-// matching ctx's, not a store error.
+// with a RetryAfter of 1 ms and no LeaseExpiresAt. A parked record is deleted like a
+// completed one: forgetting it is how an operator lets the key run again.
+// Cancelling ctx returns an error matching ctx's, not a store error.
 //
 // It returns an [*InvalidKeyError] for a key no call could have stored, [ErrNotFound]
 // when there is no row, and a [*StoreError] for a database error. Inbox rows are not

@@ -13,12 +13,13 @@ import (
 )
 
 // acquisition is the outcome of acquire: either this caller holds the reservation (held),
-// or row is a completed or failed record to replay.
+// or row is a completed, failed or parked record to replay.
 type acquisition struct {
 	held     bool
 	row      store.Row
 	waited   bool
 	tookOver bool
+	parked   bool // this call parked row, a record at the attempts cap
 	answered bool // the store answered a read: failing open is no longer allowed
 	// prevLeaseExpiry is when the lease of the holder taken over ran out (zero: it
 	// released the key, or there was none).
@@ -73,6 +74,14 @@ func (c *Engine) acquire(ctx context.Context, cl *Call) (acquisition, error) {
 
 		if err := c.checkFingerprint(ctx, cl, &r); err != nil {
 			return acq, err
+		}
+		if r.AtCap(cl.maxAttempts) {
+			parked, err := c.parkRecord(ctx, cl, &r)
+			if parked || err != nil {
+				acq.row, acq.parked = r, parked
+				return acq, err
+			}
+			continue // the record changed since it was read: read again
 		}
 		if r.Available() {
 			if done, err := c.takeOver(ctx, cl, &r, &acq); done || err != nil {
@@ -288,11 +297,12 @@ func (c *Engine) reserveWrite(ctx context.Context, sql string, cl *Call) (r stor
 func (c *Engine) reserveOne(ctx context.Context, q store.Executor, sql string, cl *Call, owner pgtype.UUID) (store.Row, error) {
 	var r store.Row
 	targets := r.ScanTargets(true)
+	args := []any{cl.namespace, cl.key, owner, cl.fingerprint, store.Micros(cl.lease), store.Micros(cl.ttl)}
 	if sql == c.sql.Takeover {
 		targets = append(targets, &r.TookOver)
+		args = append(args, cl.maxAttempts)
 	}
-	err := q.QueryRow(ctx, sql, cl.namespace, cl.key, owner, cl.fingerprint,
-		store.Micros(cl.lease), store.Micros(cl.ttl)).Scan(targets...)
+	err := q.QueryRow(ctx, sql, args...).Scan(targets...)
 	return r, err
 }
 

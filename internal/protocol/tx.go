@@ -116,15 +116,23 @@ func (c *Engine) doTx(ctx context.Context, tx Tx, cl *Call, fn func(ctx context.
 				return res, false, err
 			}
 
+		case found && r.AtCap(cl.maxAttempts):
+			// A dead Do holder left the record at the attempts cap: park it in tx instead
+			// of taking it over (read again when it changed meanwhile).
+			if done, err := c.parkTx(ctx, tx, cl, &r, &res); done {
+				return res, false, err
+			}
+
 		default:
 			// Absent, expired, or a dead Do holder's lease ran out: run fn here.
 			won, failureStored, err := c.runTxReported(ctx, tx, cl, fn, encode, &res)
 			if err != nil || won {
 				return res, failureStored, err
 			}
-			// A Do holder reserved the key after the read; fn's writes were rolled back and
-			// nothing was recorded (not even a permanent failure), so what the next read
-			// finds is the outcome.
+			// A Do holder reserved the key after the read (or one died at the attempts cap:
+			// the next read parks it); fn's writes were rolled back and nothing was
+			// recorded (not even a permanent failure), so what the next read finds is the
+			// outcome.
 			res.Outcome = OutcomeNone
 			c.config.Logger.InfoContext(ctx, "pgidem: key reserved by Do while the transaction ran; rolled back to the savepoint",
 				slog.String("namespace", cl.namespace), slog.String("key", cl.key))
@@ -272,7 +280,7 @@ func (c *Engine) storeTxFailure(ctx context.Context, tx Tx, sp *savepoint, cl *C
 func (c *Engine) txUpsert(ctx context.Context, db rowQuerier, cl *Call, status store.Status, result, failure []byte) (store.Row, bool, error) {
 	var r store.Row
 	err := db.QueryRow(ctx, c.sql.TxUpsert, cl.namespace, cl.key, status, store.NewOwner(), cl.fingerprint,
-		store.JSONText(result), store.JSONText(failure), store.Micros(cl.ttl)).Scan(append(r.ScanTargets(false), &r.TookOver)...)
+		store.JSONText(result), store.JSONText(failure), store.Micros(cl.ttl), cl.maxAttempts).Scan(append(r.ScanTargets(false), &r.TookOver)...)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return r, false, nil
 	}

@@ -9,8 +9,9 @@ const RoundLockTimeout = "50ms"
 // recordStatements holds the statements on pgidem_record with the table name quoted in.
 type recordStatements struct {
 	// Reserve, Takeover, Heartbeat, Complete and Release are the reservation protocol's
-	// writes for one key; Probe is the read that starts a call, Lookup the full read.
-	Reserve, Takeover, Heartbeat, Complete, Release, Lookup, Probe, Forget string
+	// writes for one key, Park the one that ends a dead holder's record at the attempts
+	// cap; Probe is the read that starts a call, Lookup the full read.
+	Reserve, Takeover, Heartbeat, Complete, Release, Park, Lookup, Probe, Forget string
 
 	// The forms of Reserve and Complete that shared rounds send: for one key and for
 	// many (arrays), all under roundGuard.
@@ -53,7 +54,7 @@ var releasedColumn = `(` + releasedCondition("") + `) AS released`
 const roundGuard = `(SELECT set_config('lock_timeout', '` + RoundLockTimeout + `', true)) AS guard`
 
 // probeColumns are the columns of the probe statement, in probeTargets' order.
-var probeColumns = `status, attempts, fingerprint, result, error, lease_expires_at, completed_at,
+var probeColumns = `status, owner, attempts, fingerprint, result, error, lease_expires_at, completed_at,
 	expires_at <= statement_timestamp() AS expired,
 	(status = 'in_progress' AND lease_expires_at <= statement_timestamp()) AS lease_expired,
 	statement_timestamp() AS db_now, ` + releasedColumn
@@ -137,6 +138,11 @@ WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.owner = i.owner)`),
 		// stored fingerprint. A released record (its holder gave up after an error) keeps
 		// its count: the release counted nothing that may have run the effect.
 		//
+		// $7 is the call's attempts cap (0: none): a row its dead holder left at the cap
+		// (not released, within its TTL) is not taken over but parked (Park); the caller
+		// reads it again. The guard is checked on the newest row version too, so a record
+		// that reached the cap after the caller's read is never taken over past it.
+		//
 		// took_over (the last column, after {cols}) says whether the statement counted a
 		// takeover: the row was neither expired nor released. It is read from the row the
 		// statement locked and updated (the CTE locks the newest version first), not from
@@ -163,7 +169,27 @@ FROM old
 WHERE namespace = $1 AND key = $2
 	AND (expires_at <= now() OR (status = 'in_progress' AND lease_expires_at <= now()))
 	AND ($4::bytea IS NULL OR fingerprint IS NULL OR fingerprint = $4 OR expires_at <= now())
+	AND ($7::int = 0 OR attempts < $7 OR expires_at <= now() OR {released})
 RETURNING true AS inserted, {cols}, NOT old.was_expired AND NOT old.was_released AS took_over`),
+
+		// Park a record whose holder died at the attempts cap instead of taking it over:
+		// owner-conditional on the dead holder's token ($3), and only while the row is
+		// still in progress under a lease that ran out, within its TTL, not released (a
+		// holder that returned an error is retried, not parked) and at $4 attempts or more.
+		// The lease ends, the failure says why, and expires_at stays: the parked record
+		// expires a TTL after its last holder's last heartbeat, like any other.
+		Park: r.Replace(`
+UPDATE {t} SET
+	status = 'parked',
+	lease_expires_at = NULL,
+	error = jsonb_build_object('message', 'pgidem: record parked after ' || attempts ||
+		' attempts (the cap is ' || $4::int || '): its holders stopped renewing their leases; forget it to run the effect again'),
+	completed_at = now(),
+	updated_at = now()
+WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'
+	AND lease_expires_at <= now() AND expires_at > now() AND NOT ({released})
+	AND $4::int > 0 AND attempts >= $4::int
+RETURNING {cols}`),
 
 		// Renew the lease, and keep the record's expiry a whole TTL beyond it: a holder that
 		// dies is then always taken over (attempts + 1) before its record can count as

@@ -19,13 +19,17 @@ const (
 	StatusCompleted Status = "completed"
 	// StatusFailed: the effect failed permanently; the failure is replayed.
 	StatusFailed Status = "failed"
+	// StatusParked: holders of the record kept dying until its attempts reached the cap
+	// (pgidem.Config.MaxAttempts); it is not taken over again, and calls get an error
+	// until an operator forgets it or it expires.
+	StatusParked Status = "parked"
 )
 
 // Record is one row of pgidem_record as callers see it.
 type Record struct {
 	// Namespace and Key identify the record.
 	Namespace, Key string
-	// Status is in progress, completed or failed.
+	// Status is in progress, completed, failed or parked.
 	Status Status
 	// Attempts is how many times the effect was started under this key: 1 normally; more
 	// means a takeover happened and the effect may have run more than once.
@@ -35,9 +39,10 @@ type Record struct {
 	// Result is the stored JSON result of a completed record (JSON null for a nil value);
 	// nil for other statuses.
 	Result json.RawMessage
-	// Error is the stored JSON failure of a failed record, nil otherwise: an object with
-	// "message" (the permanent error's text, cut to 64 KiB) and, when the failure stands
-	// for a value that could not be stored, "not_storable": true.
+	// Error is the stored JSON failure of a failed or parked record, nil otherwise: an
+	// object with "message" (the permanent error's text, cut to 64 KiB, or why the record
+	// was parked) and, when the failure stands for a value that could not be stored,
+	// "not_storable": true.
 	Error json.RawMessage
 	// LeaseExpiresAt is the holder's lease expiry for an in-progress record, zero otherwise.
 	LeaseExpiresAt time.Time
@@ -99,7 +104,7 @@ func (r *Row) ScanTargets(withInserted bool) []any {
 
 // ProbeTargets are the scan targets of the Probe statement.
 func (r *Row) ProbeTargets() []any {
-	return []any{&r.Status, &r.Attempts, &r.Fingerprint, &r.Result, &r.Failure,
+	return []any{&r.Status, &r.Owner, &r.Attempts, &r.Fingerprint, &r.Result, &r.Failure,
 		&r.LeaseExpires, &r.CompletedAt, &r.Expired, &r.LeaseExpired, &r.DBNow, &r.Released}
 }
 
@@ -107,13 +112,21 @@ func (r *Row) ProbeTargets() []any {
 // expired lease. Such a row is taken over.
 func (r *Row) Available() bool { return r.Expired || r.LeaseExpired }
 
-// Finished reports whether the row is a completed record or a stored failure within its
-// TTL: what a call replays.
+// Finished reports whether the row is a completed record, a stored failure or a parked
+// record within its TTL: what a call replays (a parked one as an error).
 func (r *Row) Finished() bool { return r.Status != StatusInProgress && !r.Available() }
 
 // Live reports whether the row is in progress under a live lease within its TTL: a holder
 // may be running the effect.
 func (r *Row) Live() bool { return r.Status == StatusInProgress && !r.LeaseExpired && !r.Expired }
+
+// AtCap reports whether the row is one a takeover must park instead (maxAttempts > 0): in
+// progress within its TTL, its holder's lease ran out without a release (the holder
+// died), and its attempts reached maxAttempts. A released row is a retry, never parked.
+func (r *Row) AtCap(maxAttempts int) bool {
+	return maxAttempts > 0 && r.Status == StatusInProgress && r.LeaseExpired && !r.Expired &&
+		!r.Released && r.Attempts >= maxAttempts
+}
 
 // RetryAfter is how long until a live row's lease ends, at least a millisecond.
 func (r *Row) RetryAfter() time.Duration {

@@ -11,8 +11,8 @@ import (
 // NamespaceStats counts one namespace's records.
 type NamespaceStats struct {
 	Namespace string
-	// InProgress, Completed and Failed count the records by status.
-	InProgress, Completed, Failed int64
+	// InProgress, Completed, Failed and Parked count the records by status.
+	InProgress, Completed, Failed, Parked int64
 	// LeaseExpired counts in-progress records whose lease ran out: their holder stopped
 	// renewing it.
 	LeaseExpired int64
@@ -46,7 +46,7 @@ func (s *Statements) RecordStats(ctx context.Context, db Executor) ([]NamespaceS
 			key                       *string
 			createdAt, leaseExpiresAt pgtype.Timestamptz
 		)
-		err := row.Scan(&ns.Namespace, &ns.InProgress, &ns.Completed, &ns.Failed, &ns.LeaseExpired,
+		err := row.Scan(&ns.Namespace, &ns.InProgress, &ns.Completed, &ns.Failed, &ns.Parked, &ns.LeaseExpired,
 			&ns.TookOver, &ns.Sweepable, &key, &createdAt, &leaseExpiresAt, &ns.DBNow)
 		if err == nil && key != nil {
 			ns.Oldest = &OldestInProgress{Key: *key, CreatedAt: createdAt.Time, LeaseExpiresAt: leaseExpiresAt.Time}

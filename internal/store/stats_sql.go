@@ -27,6 +27,7 @@ WITH counts AS (
 	       count(*) FILTER (WHERE status = 'in_progress'),
 	       count(*) FILTER (WHERE status = 'completed'),
 	       count(*) FILTER (WHERE status = 'failed'),
+	       count(*) FILTER (WHERE status = 'parked'),
 	       count(*) FILTER (WHERE status = 'in_progress' AND lease_expires_at <= statement_timestamp()),
 	       count(*) FILTER (WHERE attempts > 1),
 	       count(*) FILTER (WHERE {sweepable})

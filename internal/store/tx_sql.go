@@ -50,7 +50,9 @@ func newTxStatements(schema string) txStatements {
 		// changes, so that holder's late writes are refused). A live row — a Do holder that
 		// reserved the key after DoTx read it — is left alone and nothing is returned. A
 		// unique violation is never raised, so the caller's transaction is never aborted by
-		// a duplicate; the primary key is the backstop behind the advisory lock.
+		// a duplicate; the primary key is the backstop behind the advisory lock. $9 is the
+		// call's attempts cap (0: none): a dead holder's row at the cap is left alone too,
+		// for DoTx to park (Park).
 		//
 		// took_over (after {cols}) says whether it took over a Do holder that died (a
 		// released row is no takeover), decided by this statement rather than by DoTx's
@@ -103,7 +105,8 @@ ON CONFLICT (namespace, key) DO UPDATE SET
 WHERE r.expires_at <= statement_timestamp()
 	OR (r.status = 'in_progress' AND r.lease_expires_at <= statement_timestamp()
 		AND (excluded.fingerprint IS NULL OR r.fingerprint IS NULL
-			OR r.fingerprint = excluded.fingerprint))
+			OR r.fingerprint = excluded.fingerprint)
+		AND ($9::int = 0 OR r.attempts < $9 OR {released}))
 RETURNING {cols}, coalesce((SELECT NOT was_expired AND NOT was_released FROM old), false) AS took_over`),
 	}
 }

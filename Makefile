@@ -51,11 +51,13 @@ demo:
 
 ## bench: pgidem against the floor (hand-written statements in pgidem/floor_bench_test.go),
 ## alternating slices in one process; prints benchstat lines, then each ratio's median and
-## range over the runs (about 2 min per run; see docs/performance.md).
+## range over the runs (about 2 min per run; see docs/performance.md); then how soon a
+## waiter returns after the holder's completion, polling against notified.
 bench:
 	$(GO) test -run '^$$' -bench 'BenchmarkFloor' -benchtime 1x -count $(FLOOR_COUNT) -timeout 15m ./pgidem/ | tee bench.txt
 	$(GO) run $(BENCHSTAT) bench.txt
 	$(GO) run ./internal/benchsql/benchratio bench.txt
+	$(GO) test -run '^$$' -bench 'BenchmarkWakeup' -benchtime 100x ./pgidem/
 
 ## bench-micro: pgidem's other benchmarks (BenchmarkDo, BenchmarkDoConcurrent, DoTx).
 bench-micro:

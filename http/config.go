@@ -71,8 +71,9 @@ type StorePolicyFunc func(status int) bool
 //     authenticates again, or steps up, resends the request under the same key and must
 //     be judged anew.
 //
-// A retry of those runs the handler again. This is pgidem's policy, not the draft's: its section 2.6 has a retry return the
-// first result, "success or an error"; give Store a function that returns true to do so.
+// A retry of those runs the handler again. This is pgidem's policy, not the draft's: its
+// section 2.6 has a retry return the first result, "success or an error". Give Store a
+// function that returns true to do so.
 func StoreDefault(status int) bool {
 	switch status {
 	case http.StatusUnauthorized, http.StatusForbidden, http.StatusProxyAuthRequired,

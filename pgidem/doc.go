@@ -149,6 +149,47 @@
 // They follow the same protocol and write the same records as the pgx.Tx forms, on pgx's
 // stdlib driver or lib/pq.
 //
+// # Inbox
+//
+// The message id names the delivery (a Kafka event id, an SQS message id). The consumer
+// scopes it, so two consumer groups handling one topic keep separate inboxes. Both follow
+// the key rules ([ErrInvalidKey]).
+//
+// [Coordinator.InboxRecordTx] inserts with ON CONFLICT DO NOTHING, never a caught unique
+// violation, so a duplicate leaves tx usable. Recording a duplicate is a pure read: no row
+// lock, no transaction id. A concurrent transaction recording the same message blocks
+// until the first one ends: after its commit the call returns false, after its rollback
+// true. A row past its retention counts as absent and is reused (true), whether or not a
+// concurrent [Coordinator.Sweep] deletes it meanwhile.
+//
+// Under REPEATABLE READ or SERIALIZABLE a concurrent duplicate, or a concurrent Sweep
+// deleting the expired row the call would reuse, may instead cause a serialization
+// failure. It is returned as a [*StoreError] whose Err is the *pgconn.PgError with SQLSTATE
+// 40001; retry the transaction. A read-only tx is refused by the server (a *StoreError, as
+// from a server that refuses writes), which aborts it: roll it back.
+//
+// A call for the message from within the [Coordinator.InboxHandle] fn handling it is
+// refused before tx is touched. On that fn's tx it would report a duplicate, and the caller
+// would skip the handler's writes. On another it would wait for the handler's uncommitted
+// row.
+//
+// In [Coordinator.InboxHandle], a commit can fail by fn's doing; the error then says so:
+//   - fn returned nil after one of its statements failed. The server aborts the
+//     transaction, so the commit rolls back.
+//   - the server refused the commit for a deferred constraint fn's writes broke (SQLSTATE
+//     class 23). Nothing is committed, and a redelivery would be refused the same way.
+//   - fn committed or rolled back tx itself (matching [ErrInvalidArgument]). fn's writes
+//     and the inbox row went with whichever fn called, so a redelivery is skipped or runs
+//     fn again.
+//
+// A fn that calls [Do] takes a second connection from the pool while InboxHandle holds
+// one. Size the pool above the number of concurrent handlers, twice that so that none
+// waits. With no connection to spare the handlers wait on each other. A Do that gets no
+// connection within [Config.FinishTimeout] then fails with an [ErrStoreUnavailable] error
+// saying so, or ends with ctx if that comes first. Before the effect, nothing ran. After
+// it, the record stays in progress until its lease ends, and the next delivery runs the
+// effect again.
+//
 // # DoTx: lock and wait
 //
 // DoTx serialises transactions on the same key with a transaction-scoped advisory lock

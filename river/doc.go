@@ -187,6 +187,24 @@
 // it at error on the coordinator's logger. A job cancelled with River's JobCancel while it
 // runs has its context cancelled instead, and WorkTx returns the context's error.
 //
+// # TTL horizon
+//
+// A record's TTL must outlive every delivery of its job, or a late delivery runs the
+// effect again. [Middleware.CheckTTL] compares each kind's TTL with that horizon. It must
+// be called by hand or through [NewClient]. River v0.51 has no hook that runs when a client
+// starts and lists its registered workers: the Workers bundle is opaque, and
+// HookPeriodicJobsStart runs only on the leader.
+//
+// The horizon is deliberately conservative: it assumes the effect completed in the first
+// attempt, River lost that completion, and every later attempt failed. With River's
+// defaults (1 h to rescue, 25 attempts over about 3 weeks, 7 days of discarded retention)
+// it is about a month, longer than [TTLDefault]. Give effect jobs fewer attempts, a longer
+// TTL ([TTLArgs], [Config.TTL]), or shorter retention periods. With fewer attempts keep
+// RescueStuckJobsAfter above their longest run: on the last attempt River's rescuer
+// discards a job still running. Even one attempt, with River's default retention of
+// discarded jobs (7 days, during which one can be retried by hand), needs a TTL above 169 h
+// (1 h to rescue plus 7 days).
+//
 // # Testing workers
 //
 // River's rivertest.Worker runs a config's worker middleware, so a worker can be tested

@@ -226,11 +226,11 @@ func (c *Engine) runTx(ctx context.Context, tx Tx, cl *Call, fn func(ctx context
 }
 
 // storeTxFailure undoes fn's writes (rolling sp back), then stores fn's permanent failure
-// for replay in a savepoint of its own: when a live record blocks the write, the upsert
-// has still locked that row (ON CONFLICT DO UPDATE locks the conflicting row even when
-// its WHERE is false), and only rolling the savepoint back releases the lock — otherwise
-// tx would hold it while the caller waits for that record's holder, whose heartbeat it
-// would block until the holder's lease ran out and tx took over a live holder. It returns
+// for replay in a savepoint of its own. When a live record blocks the write, the upsert
+// has still locked that row: ON CONFLICT DO UPDATE locks the conflicting row even when
+// its WHERE is false. Only rolling the savepoint back releases the lock. Otherwise tx
+// would hold it while the caller waits for that record's holder. tx would block the
+// holder's heartbeat until its lease ran out, and then take over a live holder. It returns
 // fn's error once stored; won is false when a live record blocked the write.
 func (c *Engine) storeTxFailure(ctx context.Context, tx Tx, sp *savepoint, cl *Call, fnErr error, permanent *PermanentError) (won, stored bool, err error) {
 	notStored := func(err error) error {

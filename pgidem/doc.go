@@ -232,7 +232,10 @@
 //     in tx.
 //
 // On success the savepoint is released; nothing is visible to others until the caller
-// commits. The record's ttl counts from DoTx's upsert statement (the database's
+// commits. A [Permanent] error from fn writes a failed record in tx instead. Once tx
+// commits, later calls replay it as a [*StoredFailureError] matching [ErrPermanent]
+// without running fn. Roll tx back instead and the next call runs fn again. The record's
+// ttl counts from DoTx's upsert statement (the database's
 // statement_timestamp()), not from the caller's commit. Time the transaction stays open
 // afterwards is taken from the record's life, and a transaction held open longer than ttl
 // commits a record that has already expired.

@@ -34,7 +34,8 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 //     the savepoint, nothing is recorded, tx stays usable, and the error is returned.
 //   - a [Permanent] error: fn's writes are undone, a failed record is written in tx and
 //     fn's error returned; commit tx to keep it. [*FailureNotStoredError] if not written.
-//   - fn ended tx itself: [ErrInvalidArgument], nothing recorded; roll tx back.
+//   - fn ended tx itself: an error matching [ErrInvalidArgument] (and fn's own, if any).
+//     Nothing is recorded, and fn's writes may stay in tx: roll tx back.
 //   - fn returned nil after one of its statements failed: an error saying so, not a store
 //     error; the savepoint is rolled back and tx stays usable.
 //   - a database error: a [*StoreError]; roll tx back. Cancelling ctx returns ctx's error,

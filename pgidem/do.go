@@ -120,8 +120,9 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 // was obtained. The first caller reserves the key and runs fn with a context that carries
 // the key ([KeyFromContext]); later calls within ttl replay the stored value or error
 // without running fn. The package documentation describes the lease and heartbeat
-// ("Concurrency"), what each outcome of fn stores ("Outcomes of fn"), what a replay returns
-// ("Replayed values") and cancellation ("Store errors, cancellation and the pool").
+// ("Concurrency: in progress, lease, heartbeat, takeover") and what each outcome of fn
+// stores ("Outcomes of fn"). It also describes what a replay returns ("Replayed values")
+// and cancellation ("Store errors, cancellation and the pool").
 //
 // Errors (fn is not run unless noted):
 //   - namespace or key empty, not valid UTF-8, with control characters, or over

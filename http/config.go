@@ -35,8 +35,8 @@ const (
 // authenticated user or API client its idempotency keys belong to. A replay re-checks
 // nothing the handler checks (roles, ownership, quotas): any request with the principal,
 // key and fingerprint of a stored one receives its response. So return the finest
-// identity whose authorization can differ — a user, not the tenant or a shared account —
-// that stays the same across a client's retries (not a session or token id), with a type
+// identity whose authorization can differ: a user, not the tenant or a shared account. It
+// must stay the same across a client's retries (not a session or token id). Add a type
 // prefix when ids of several kinds of caller may collide ("user:42", "client:42"). It is
 // not authentication: run the middleware behind it, so every request that reaches the
 // middleware has a caller. An error, or an empty principal, is therefore a server fault:
@@ -47,11 +47,11 @@ type PrincipalFunc func(r *http.Request) (string, error)
 
 // FingerprintFunc returns the fingerprint of a request: bytes that are equal for two
 // requests exactly when they ask for the same thing. body is the whole request body,
-// already read (the handler still reads it from r.Body). r.Body must not be read. When a
-// handler outside the middleware parsed the form (Request.ParseForm of a URL-encoded
-// body, ParseMultipartForm) and so consumed the body (the middleware read none), body is
-// the parsed form instead:
-// its values sorted by name, and each file's field name, file name, size and SHA-256. An
+// already read (the handler still reads it from r.Body). r.Body must not be read. A
+// handler outside the middleware may have parsed the form (Request.ParseForm of a
+// URL-encoded body, ParseMultipartForm) and so consumed the body, leaving the middleware
+// none. body is then the parsed form instead: its values sorted by name, and each file's
+// field name, file name, size and SHA-256. An
 // outer handler that reads the body any other way must put it back, or every request
 // would have the empty body's fingerprint. Called from the goroutine of each request, so
 // concurrently.
@@ -63,13 +63,17 @@ type FingerprintFunc func(r *http.Request, body []byte) []byte
 // concurrently.
 type StorePolicyFunc func(status int) bool
 
-// StoreDefault is the default [Config.Store]: every status is stored except 5xx (a server
-// error says nothing final about the request); 408 Request Timeout, 425 Too Early and 429
-// Too Many Requests (the request was not processed); and 401, 403 and 407 (the caller's
-// credentials were refused: a client that authenticates again, or steps up, resends the
-// request under the same key and must be judged anew). A retry of those runs the handler
-// again. This is pgidem's policy, not the draft's: its section 2.6 has a retry return the
-// first result, "success or an error"; give Store a function that returns true to do so.
+// StoreDefault is the default [Config.Store]. Every status is stored except these:
+//   - 5xx: a server error says nothing final about the request.
+//   - 408 Request Timeout, 425 Too Early and 429 Too Many Requests: the request was not
+//     processed.
+//   - 401, 403 and 407: the caller's credentials were refused. A client that
+//     authenticates again, or steps up, resends the request under the same key and must
+//     be judged anew.
+//
+// A retry of those runs the handler again. This is pgidem's policy, not the draft's: its
+// section 2.6 has a retry return the first result, "success or an error". Give Store a
+// function that returns true to do so.
 func StoreDefault(status int) bool {
 	switch status {
 	case http.StatusUnauthorized, http.StatusForbidden, http.StatusProxyAuthRequired,
@@ -105,10 +109,10 @@ type Config struct {
 	// not run. Default false: such a request passes to the handler unprotected.
 	Required bool
 
-	// Methods are the request methods the middleware applies to, in upper case, and it
-	// applies to them in any case a client sends ("post" too: methods are case-sensitive,
-	// RFC 9110, section 9.1, but a handler that does not check the method would run it
-	// as a POST); the fingerprint keeps the method as sent. Other requests pass to the
+	// Methods are the request methods the middleware applies to, in upper case. It applies
+	// to them in any case a client sends: methods are case-sensitive (RFC 9110, section
+	// 9.1), but a handler that does not check the method would run "post" as a POST. The
+	// fingerprint keeps the method as sent. Other requests pass to the
 	// handler untouched, with or without a key. Default POST and PATCH, the
 	// non-idempotent methods the draft is for (GET, PUT and DELETE are idempotent by
 	// definition, RFC 9110 section 9.2.2), when nil; [New] refuses an empty non-nil list and
@@ -126,9 +130,9 @@ type Config struct {
 	// response is sent to the client as usual and stored without its body: a replay then
 	// sends the status with an empty body and only the Location and Link headers. The same
 	// happens when the record's JSON would be longer than the coordinator's
-	// [pgidem.Config.MaxValueBytes] (16 MiB by default): a body is stored as JSON text when
-	// it is UTF-8 (where a control or HTML character takes a six-byte escape), else as
-	// base64 (4/3 of its size). Default [MaxResponseBytesDefault] (1 MiB); [New] refuses a
+	// [pgidem.Config.MaxValueBytes] (16 MiB by default). A body is stored as JSON text when
+	// it is UTF-8, where a control or HTML character takes a six-byte escape. Else it is
+	// stored as base64 (4/3 of its size). Default [MaxResponseBytesDefault] (1 MiB); [New] refuses a
 	// negative one.
 	MaxResponseBytes int
 
@@ -147,10 +151,10 @@ type Config struct {
 	// record as plain JSON for the TTL, readable with SQL and the pgidem CLI: a route whose
 	// responses hold a secret shown once can keep them out with a Store of its own. A
 	// handler that panics (with [http.ErrAbortHandler] too) before it sent a status is
-	// never stored; one that panics after it did is stored by that status, without its
-	// body (the status may have reached the client, and the effect may have happened: a
-	// [httputil.ReverseProxy] panics so when copying the upstream's body fails), and
-	// logged at error with its stack unless the panic is [http.ErrAbortHandler]. One
+	// never stored. One that panics after it did is stored by that status, without its
+	// body, since the status may have reached the client and the effect may have happened.
+	// A [httputil.ReverseProxy] panics so when copying the upstream's body fails. The panic
+	// is logged at error with its stack unless it is [http.ErrAbortHandler]. One
 	// that returns without writing has answered 200, which is stored.
 	Store StorePolicyFunc
 
@@ -163,10 +167,10 @@ type Config struct {
 	// InFlight is what a retry does while the first request with its key is still being
 	// handled:
 	//   - [pgidem.InFlightRaise] (the default, also for [pgidem.InFlightDefault]): answer
-	//     409 Conflict at once with Retry-After (the draft's section 2.6 asks for a
-	//     resource conflict error for a concurrent request, section 2.7 for a 409);
+	//     409 Conflict at once with Retry-After. The draft's section 2.6 asks for a
+	//     resource conflict error for a concurrent request, section 2.7 for a 409.
 	//   - [pgidem.InFlightWait]: hold the retry up to WaitTimeout (mind the server's
-	//     WriteTimeout) until the first request finishes, and replay its response; when
+	//     WriteTimeout) until the first request finishes, and replay its response. When
 	//     the first request's response is not stored (a 5xx, a panic), one waiter takes
 	//     the key and runs the handler itself, and the others replay that. After the wait,
 	//     409. This departs from the draft for clients that prefer an answer to a conflict.
@@ -178,10 +182,10 @@ type Config struct {
 
 	// RetryAfterMax bounds the Retry-After of a 409 answered while the first request is
 	// in progress. The hint is the time until the first request's lease ends (when a retry
-	// could take over if its server died), at least 1 s, at most this: a live server
-	// renews the lease, so the lease says nothing about when the request will finish, and
-	// a client that waits 30 s for a request that takes 200 ms waits for nothing (the River
-	// middleware bounds its snooze for the same reason). Retry-After counts whole seconds
+	// could take over if its server died), at least 1 s, at most this. A live server
+	// renews the lease, so the lease says nothing about when the request will finish. A
+	// client that waits 30 s for a request that takes 200 ms waits for nothing; the River
+	// middleware bounds its snooze for the same reason. Retry-After counts whole seconds
 	// (RFC 9110, 10.2.3): a fraction of a second here is dropped. At least 1 s. Default
 	// [RetryAfterMaxDefault] (5 s).
 	RetryAfterMax time.Duration
@@ -193,10 +197,10 @@ type Config struct {
 
 	// CancelWithClient cancels next's context when the request's context is cancelled (the
 	// client goes away), as net/http does. Default false: once next starts it runs to the
-	// end whatever the client does, because under an Idempotency-Key the client's retry is
-	// what reads the outcome (a replay, or a wait for the run in progress), and a handler
-	// cut off half-way would answer an error status that releases the key, so the retry
-	// ran the effect again. The request's cancellation still ends the reservation, a wait,
+	// end whatever the client does. Under an Idempotency-Key the client's retry is what
+	// reads the outcome (a replay, or a wait for the run in progress). A handler cut off
+	// half-way would answer an error status that releases the key, so the retry would run
+	// the effect again. The request's cancellation still ends the reservation, a wait,
 	// and a call whose next has not started (which then does not start). Only the request
 	// context's deadline (an outer handler's) still ends next's; any other cancellation
 	// does not, a server BaseContext cancelled at shutdown included (http.Server.Shutdown

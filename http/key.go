@@ -12,8 +12,8 @@ import (
 // parseKey reads the value of one Idempotency-Key field.
 //
 // The draft defines the field as a Structured Field Item whose value is a String (RFC 8941,
-// section 3.3.3): printable ASCII between double quotes, with \" and \\ as the only
-// escapes, optionally followed by parameters, which carry nothing for idempotency and are
+// section 3.3.3). That is printable ASCII between double quotes, with \" and \\ as the
+// only escapes. Parameters may follow; they carry nothing for idempotency and are
 // ignored. Many clients send the key without quotes (the older, Stripe-style header), so a
 // value that does not start with a double quote is accepted as the key itself when it is
 // printable ASCII without spaces, quotes, backslashes, commas or semicolons. Either way
@@ -59,9 +59,9 @@ func parseKey(field string) (string, error) {
 }
 
 // checkParams accepts what may follow an Item's closing quote: nothing but optional
-// whitespace, or parameters (RFC 8941, section 3.1.2: ";" *SP key [ "=" bare-item ], keys
-// of lower-case letters, digits, "_", "-", "." and "*"), whose values are checked for
-// shape only and not interpreted.
+// whitespace, or parameters. Parameters are ";" *SP key [ "=" bare-item ] (RFC 8941,
+// section 3.1.2), with keys of lower-case letters, digits, "_", "-", "." and "*". Their
+// values are checked for shape only and not interpreted.
 func checkParams(rest string) error {
 	bad := errors.New("the Idempotency-Key field holds more than one value or text after the closing double quote")
 	for rest != "" && rest[0] == ';' {

@@ -22,10 +22,10 @@ const (
 	// same name.
 	HeaderReplayed = "Idempotent-Replayed"
 	// HeaderBodyOmitted is set to "true" on a replay whose stored response has no body
-	// although the first response had one (too long for the record, or cut off on its way
-	// to the client), or may have had one (its handler panicked after sending the status,
-	// which aborts the response), so a client can tell it from a response that was empty.
-	// pgidem's own.
+	// although the first response had one, or may have had one. The body was too long for
+	// the record, or cut off on its way to the client, or its handler panicked after
+	// sending the status, which aborts the response. A client can so tell it from a
+	// response that was empty. pgidem's own.
 	HeaderBodyOmitted = "Idempotent-Body-Omitted"
 )
 
@@ -43,69 +43,27 @@ type Middleware struct {
 
 // Handler wraps next. For a request whose method is in [Config.Methods] and that carries
 // an Idempotency-Key field:
-//   - the first request with a key runs next; its response streams to the client as usual
-//     and, when [Config.Store] accepts its status, is stored (status, body, the headers in
-//     [Config.ReplayHeaders]) for [Config.TTL]. A handler that returns without writing
-//     answers 200 (net/http's rule), and that is stored too: a handler that gives up
-//     without an answer to replay should write an error status, or panic with
-//     [http.ErrAbortHandler] before it writes anything;
+//   - the first request with a key runs next; its response streams to the client as usual.
+//     When [Config.Store] accepts its status, it is stored for [Config.TTL] (see "Stored
+//     responses" in the package documentation).
 //   - a retry with the key and the same fingerprint gets the stored response, marked
-//     Idempotent-Replayed: true, and next does not run;
-//   - a retry with a different fingerprint (another body, path, query or method): 422;
+//     Idempotent-Replayed: true, and next does not run.
+//   - a retry with a different fingerprint (another body, path, query or method): 422.
 //   - a retry while the first is still running: 409 with Retry-After in seconds (or a
-//     wait, [Config.InFlight]);
+//     wait, [Config.InFlight]).
 //   - a response not stored (by default 5xx, 401, 403, 407, 408, 425 and 429; a panic
 //     before any status, a hijacked connection, 101 Switching Protocols) releases the
 //     key: a retry runs next again. A panic after a status is stored by that status,
 //     without its body ([Config.Store]), and goes on.
+//   - a request the middleware refuses never reaches next and gets problem details: see
+//     "Refused requests".
 //
-// A response is stored as next wrote it: the status, the body (within
-// [Config.MaxResponseBytes]) and the headers in [Config.ReplayHeaders] as they were when
-// the status was sent; not trailers. The body is what next wrote, whether or not it
-// reached the client; but when a write of it failed (the client went away, a write
-// timeout), it is left out unless next declared a Content-Length that it matches, and
-// when next wrote less than it declared it is left out too: a replay never passes part of
-// a body off as all of it (next may have stopped at the failed write). Bytes beyond a
-// declared Content-Length, which net/http refuses, are not part of it. It is also left out, and then the headers, when the record's JSON would be too long
-// for the coordinator ([pgidem.Config.MaxValueBytes]). A replay without the body it had
-// carries Idempotent-Body-Omitted: true ([HeaderBodyOmitted]).
-//
-// Do not use [http.TimeoutHandler] with the middleware. Outside it, it may discard a
-// response the record keeps. Inside it, around next, it answers 503 while next is still
-// running; the 503 is not stored, the key is released, and a retry runs next beside the
-// first run. Bound a request with the server's timeouts (a write that fails then leaves the
-// body out unless next declared a Content-Length it matches, and next runs once) or with a
-// deadline next observes before it answers. A
-// handler whose effects are keyed with [ScopedKey] stays safe either way: a second run
-// waits for the first run's effects and replays them.
-//
-// Requests the middleware refuses never reach next and are answered with problem details
-// (RFC 9457, Content-Type application/problem+json; [Problem]): a missing key when
-// [Config.Required] (400), an invalid key or one longer than the coordinator's
-// [pgidem.Config.MaxKeyBytes] less 23 bytes (400, and counted as the coordinator's own
-// refusals are: [pgidem.EventInvalidKey] under [Config.Namespace]), a body over [Config.MaxRequestBytes]
-// (413), a caller [Config.Principal] cannot name (500), or a store that cannot be reached
-// (503: the request is not run unprotected, unless the coordinator opted into
-// [pgidem.Config.FailOpen]). The body is read before Principal is called; Principal and
-// next may both read it, from memory. next runs with a context that carries the key
-// ([RequestKey], [ScopedKey]; [pgidem.KeyFromContext] gives the record's), that the
-// client going away does not cancel (unless [Config.CancelWithClient]: the client's retry
-// reads the outcome, so next finishes its work; a deadline an outer handler set on the
-// request still applies, and a reservation or a wait before next runs still ends with
-// the client), and that is cancelled with cause [pgidem.ErrLeaseLost] when the record's
-// lease cannot be kept (the store is unreachable, or another request took
-// the key over). When next returns without writing and its response could not be stored,
-// the middleware answers for it: 409 with Retry-After when the key was taken over, else
-// 503 (code "outcome_unknown"). Under another Middleware (one wrapping another), a
-// request whose record the outer one already holds (same namespace and record key) passes
-// to next; otherwise the inner one keeps a record of its own, by its own settings. An
-// outer middleware with a coarser principal replays by that principal before the inner one
-// is reached, so give the outermost the finest.
-//
-// The response writer given to next supports [http.ResponseController] and the
-// interfaces it unwraps to (Flush, Hijack, deadlines) as far as the server's writer does;
-// it always has a Hijack method, which returns an error matching [http.ErrNotSupported]
-// when the server's writer cannot hijack (HTTP/2). Safe for concurrent use.
+// next runs with a context that carries the key ([RequestKey], [ScopedKey]), that the
+// client going away does not cancel, and that is cancelled with cause
+// [pgidem.ErrLeaseLost] when the record's lease cannot be kept ("The handler's context").
+// Do not use [http.TimeoutHandler] with the middleware ("Timeouts"). The response writer
+// given to next supports [http.ResponseController] as far as the server's writer does.
+// Safe for concurrent use.
 func (m *Middleware) Handler(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		// Without regard to case: methods are case-sensitive (RFC 9110, section 9.1), so
@@ -207,10 +165,10 @@ func (c *call) storePanicked(ctx context.Context) (json.RawMessage, error) {
 	return m.storedAfterPanic(ctx, c.rec, c.recordKey)
 }
 
-// callContext returns the context the call runs with, from the request's (ctx): unless
+// callContext returns the context the call runs with, from the request's (ctx). Unless
 // [Config.CancelWithClient], the request's cancellation cancels it only until start is
-// called (when next is about to start), so a reservation or a wait still ends with the
-// client but next runs to the end. start reports false when the cancellation came first:
+// called (when next is about to start). So a reservation or a wait still ends with the
+// client, but next runs to the end. start reports false when the cancellation came first:
 // next must not start. The request's deadline (an outer handler's) still applies, and the
 // values stay. stop releases it.
 func (m *Middleware) callContext(ctx context.Context) (call context.Context, start func() bool, stop func()) {

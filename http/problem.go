@@ -23,26 +23,26 @@ type Problem struct {
 	// Detail explains this occurrence in a sentence.
 	Detail string `json:"detail,omitempty"`
 	// Code identifies the problem:
-	//   - "idempotency_key_missing" (400): [Config.Required] and no key was sent;
+	//   - "idempotency_key_missing" (400): [Config.Required] and no key was sent.
 	//   - "idempotency_key_invalid" (400): the key is not a valid value, the field was sent
-	//     twice, or the key is longer than the coordinator's MaxKeyBytes less 23;
-	//   - "request_body_unreadable" (400) and "request_too_large" (413);
-	//   - "idempotency_key_reused" (422): the key was first used for a different request;
+	//     twice, or the key is longer than the coordinator's MaxKeyBytes less 23.
+	//   - "request_body_unreadable" (400) and "request_too_large" (413).
+	//   - "idempotency_key_reused" (422): the key was first used for a different request.
 	//   - "idempotency_key_in_progress" (409): the first request with the key is still
-	//     running, or took this one's key over while it ran; Retry-After says when a retry
-	//     is worth it;
+	//     running, or took this one's key over while it ran. Retry-After says when a retry
+	//     is worth it.
 	//   - "idempotency_key_parked" (409, without Retry-After): earlier requests with the
-	//     key were taken over until the coordinator's MaxAttempts, so the key is parked
-	//     and every request with it is refused, unprocessed, until an operator forgets its
-	//     record (pgidem records forget) or it expires;
+	//     key were taken over until the coordinator's MaxAttempts, so the key is parked.
+	//     Every request with it is refused, unprocessed, until an operator forgets its
+	//     record (pgidem records forget) or it expires.
 	//   - "store_unavailable" (503): the key could not be reserved, and the request was not
-	//     processed; Retry-After: 1;
+	//     processed. Retry-After: 1.
 	//   - "outcome_unknown" (503): the request was processed (its handler ran and wrote
-	//     nothing) but its outcome could not be recorded, so a retry may process it again;
+	//     nothing) but its outcome could not be recorded, so a retry may process it again.
 	//   - "response_not_stored" (500): the request with this key was processed but its
-	//     response cannot be replayed;
+	//     response cannot be replayed.
 	//   - "principal_unknown" (500): [Config.Principal] named no caller (a server fault,
-	//     logged);
+	//     logged).
 	//   - "internal_error" (500): anything else, logged.
 	//
 	// A request whose client went away before the handler ran is answered a bare 503,

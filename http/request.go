@@ -62,15 +62,15 @@ func RequestKey(ctx context.Context) (principal, key string, ok bool) {
 // characters of digest, a colon and the request's Idempotency-Key, but the digest is of
 // the principal and the request's fingerprint ([Config.Fingerprint]) together. Use it
 // with [pgidem.DoTx] or [pgidem.DoInTx] for the handler's rows and [pgidem.Do] for a call
-// to another service, each in a namespace of its own (not [Config.Namespace]: the
+// to another service. Give each a namespace of its own, not [Config.Namespace]: the
 // middleware holds its record's key while the handler runs, and pgidem refuses a call for
-// that key from within), so a retry that runs the handler again after its server died
-// replays the effects whose records completed instead of doing them twice:
+// that key from within. A retry that runs the handler again after its server died then
+// replays the effects whose records completed instead of doing them twice.
 //   - scoped to the caller, it never gives one caller's effect to another, as the client's
-//     bare key could (two callers may send the same one);
-//   - scoped to the request, a different request under the key (once the middleware's
-//     first record was released after a 5xx, or expired) gets other keys and runs its effects
-//     afresh, instead of being handed the first request's charge or row.
+//     bare key could (two callers may send the same one).
+//   - scoped to the request, a different request under the key gets other keys and runs
+//     its effects afresh, instead of being handed the first request's charge or row. That
+//     happens once the middleware's first record was released after a 5xx, or expired.
 //
 // ok is false when ctx is not a handler's under a Middleware, or the request carries no
 // key ([Config.Required] false): then there is nothing to dedupe on.
@@ -87,7 +87,7 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 
 // admit reads what a request's call needs: its Idempotency-Key, its body (put back for
 // next), its principal and its fingerprint. ok is false when admit answered the request
-// instead: without a key it passes to next (or is refused when [Config.Required]); an
+// instead. Without a key it passes to next (or is refused when [Config.Required]). An
 // invalid key, a body that cannot be read or is too large, or a caller
 // [Config.Principal] cannot name is refused with a problem.
 func (m *Middleware) admit(w http.ResponseWriter, r *http.Request, next http.Handler) (rk requestKey, ok bool) {
@@ -224,9 +224,9 @@ func (m *Middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, b
 
 // parsedForm returns a canonical encoding of the request's form when a handler outside the
 // middleware parsed it (Request.ParseForm for a URL-encoded body, ParseMultipartForm),
-// which consumed the body: the fingerprint is then computed over the form, or every such
-// request would have the empty body's and a different request would be replayed another's
-// response. The encoding has the form's values, sorted by name, and each file's field
+// which consumed the body. The fingerprint is then computed over the form. Otherwise every
+// such request would have the empty body's, and a different request would be replayed
+// another's response. The encoding has the form's values, sorted by name, and each file's field
 // name, file name, size and SHA-256. size is the form's size in bytes (its values encoded,
 // and its files), for [Config.MaxRequestBytes]. parsed is false when the body was not
 // consumed (it is not empty, or no form was parsed): the body is then what counts. err is

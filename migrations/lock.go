@@ -80,8 +80,8 @@ func locked(ctx context.Context, db *sql.DB, fn func(context.Context) error) err
 }
 
 // LockHolder reports who holds pgidem's migration lock in db's current schema: the holder
-// goose names (host, process id and a random suffix) and since when; held is false when
-// nobody holds it (the row is free, its lease ran out, or no run ever took it). It takes
+// goose names (host, process id and a random suffix) and since when. held is false when
+// nobody holds it: the row is free, its lease ran out, or no run ever took it. It takes
 // no lock and creates nothing. Cancelling ctx stops its query. Safe for concurrent use.
 func LockHolder(ctx context.Context, db *sql.DB) (holder string, since time.Time, held bool, err error) {
 	var exists bool

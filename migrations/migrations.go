@@ -18,8 +18,8 @@
 //
 // Objects are created in the connection's current schema: the first existing schema of its
 // search_path. To use another schema, open the database with [OpenDB] and a schema name (or
-// put search_path in the connection string) and set [Opts.Schema]; Up creates the schema
-// when it is missing and refuses to run when the connection would put the tables anywhere
+// put search_path in the connection string) and set [Opts.Schema]. Up creates the schema
+// when it is missing. It refuses to run when the connection would put the tables anywhere
 // else. Down, Reset and Status never create a schema: for a missing one they return an
 // error.
 //
@@ -29,9 +29,10 @@
 //
 // # Locking and connection poolers
 //
-// Up, Down, DownTo and Reset hold pgidem's migration lock while they migrate: a row in
-// [LockTable] (goose's table locker), not a session advisory lock, so concurrent deploys
-// apply each migration once also through a transaction-pooling proxy such as PgBouncer.
+// Up, Down, DownTo and Reset hold pgidem's migration lock while they migrate. The lock is
+// a row in [LockTable] (goose's table locker), not a session advisory lock. So concurrent
+// deploys apply each migration once also through a transaction-pooling proxy such as
+// PgBouncer.
 // The caller's context bounds the wait for the lock ([ErrLockHeld]) and the retries of
 // its release; a holder that dies or fails to release it leaves a lease that runs out
 // after [LockLease]. Through PgBouncer in transaction pooling, open the database with
@@ -86,9 +87,9 @@ const (
 
 // ErrManagedElsewhere is returned (wrapped, with the schema named) by [NewProvider], [Up],
 // [Down], [DownTo], [Reset], [Status] and [Installed] when pgidem's tables exist in the
-// current schema but [VersionTable] records no migration there: another migration tool
-// created them, from pgidem's files copied into the application's own migrations, or the
-// goose CLI without -table pgidem_goose_db_version (docs/migrations.md). That tool's
+// current schema but [VersionTable] records no migration there. Another migration tool
+// created them: pgidem's files copied into the application's own migrations, or the goose
+// CLI without -table pgidem_goose_db_version (docs/migrations.md). That tool's
 // history is the one that knows them; applying the files again from here would fail on
 // the existing tables, so nothing is run or created. Keep migrating them with that tool.
 var ErrManagedElsewhere = errors.New("pgidem: migrations: pgidem's tables are managed by another migration tool")
@@ -137,9 +138,9 @@ type Opts struct {
 	Logger *slog.Logger
 
 	// RefuseDataLoss makes [Down], [DownTo] and [Reset] refuse, rolling back nothing, when
-	// a migration they would roll back drops a table that holds rows (pgidem_record:
-	// every completed key would run its effect again; pgidem_inbox: every recorded message
-	// would be handled again): the error matches [ErrDataLoss]. The check runs under
+	// a migration they would roll back drops a table that holds rows. The error matches
+	// [ErrDataLoss]. Without pgidem_record every completed key would run its effect again;
+	// without pgidem_inbox every recorded message would be handled again. The check runs under
 	// the migration lock, which the rollback then keeps, so another rollback cannot
 	// change what is rolled back after the check. It guards against rolling back the
 	// wrong database, not against the application writing meanwhile: a row committed
@@ -154,9 +155,10 @@ type Opts struct {
 const SchemaMaxLen = 63
 
 // CheckSchemaName returns an error saying why schema cannot be pgidem's schema name, or
-// nil: it must be valid UTF-8 without NUL or other control characters, not only white
-// space, at most [SchemaMaxLen] bytes (Postgres would silently truncate a longer name),
-// and not "$user" (search_path reads it, quoted or not, as the role's name).
+// nil. It must be valid UTF-8 without NUL or other control characters, and not only white
+// space. It must be at most [SchemaMaxLen] bytes, since Postgres would silently truncate a
+// longer name. It must not be "$user": search_path reads it, quoted or not, as the role's
+// name.
 // pgidem.Config.Schema follows the same rules (except the last: the coordinator qualifies
 // its table names, so a schema named "$user" would work there), so a schema Up creates is
 // one the coordinator accepts. The empty string (the default schema) is valid.
@@ -192,7 +194,7 @@ func checkSchemaName(field, schema string) error {
 // requires; schema follows the rules of [Opts.Schema], and an invalid one is an error.
 //
 // Every connection also sets the session time zone to UTC, replacing any timezone in
-// connString or in the database's or role's settings: goose records when a migration was
+// connString or in the database's or role's settings. goose records when a migration was
 // applied in a timestamp without time zone, written with now() in the session's time zone
 // and read back as UTC (see [Status]).
 //
@@ -223,20 +225,19 @@ func OpenDB(connString, schema string) (*sql.DB, error) {
 // release retries, bounded by [LockRetryAttempts], not by a context), and goose's global
 // registry disabled. goose takes a connection before it takes the lock through another
 // one, so the provider's locking operations need a *sql.DB of at least two connections;
-// the package's functions do not. Cancelling ctx stops its
-// checks.
+// the package's functions do not. Cancelling ctx stops its checks.
 //
 // NewProvider queries db to check where pgidem is installed, and returns an error (creating
 // nothing) when:
-//   - Opts.Schema is invalid (see [Opts.Schema]);
-//   - Opts.Schema names a schema that does not exist (only [Up] creates it);
-//   - Opts.Schema is set and is not db's current schema;
+//   - Opts.Schema is invalid (see [Opts.Schema]).
+//   - Opts.Schema names a schema that does not exist (only [Up] creates it).
+//   - Opts.Schema is set and is not db's current schema.
 //   - Opts.Schema is empty and pgidem's version table is missing from db's current schema
-//     but exists in another schema on its search_path: pgidem is installed there, and
-//     migrating the current schema would install it a second time (as happens when a
+//     but exists in another schema on its search_path. pgidem is installed there, and
+//     migrating the current schema would install it a second time. That happens when a
 //     schema named after the role appears in front of public on the default search_path
-//     "$user", public). The error names that schema; pass it as Opts.Schema and to
-//     [OpenDB];
+//     "$user", public. The error names that schema; pass it as Opts.Schema and to
+//     [OpenDB].
 //   - pgidem's tables are in the current schema but [VersionTable] records no migration
 //     there: another tool installed them ([ErrManagedElsewhere]).
 //
@@ -257,9 +258,9 @@ func NewProvider(ctx context.Context, db *sql.DB, opts *Opts) (*goose.Provider, 
 }
 
 // newProvider is [NewProvider] with the given locker; with none, the provider takes no
-// lock: for reports that must not wait for a migration in progress (goose's Status and
-// GetDBVersion take it), and for the package's functions, which take the lock around the
-// provider's work themselves ([locked]).
+// lock. That is for reports that must not wait for a migration in progress (goose's Status
+// and GetDBVersion take it). It is also for the package's functions, which take the lock
+// around the provider's work themselves ([locked]).
 func newProvider(ctx context.Context, db *sql.DB, opts *Opts, locker lock.Locker) (*goose.Provider, error) {
 	if db == nil {
 		return nil, fmt.Errorf("%w: db is nil", ErrInvalidArgument)
@@ -411,11 +412,11 @@ func checkManagedHere(ctx context.Context, db *sql.DB) error {
 // createSchema creates schema if it does not exist and checks that it is db's current
 // schema, in one transaction: when it is not, the transaction rolls back and nothing is
 // created. To create the schema the transaction first takes [LockID] as a transaction
-// lock, so concurrent callers create it one after the other (CREATE SCHEMA IF NOT EXISTS
+// lock, so concurrent callers create it one after the other. CREATE SCHEMA IF NOT EXISTS
 // alone fails with a unique violation when two run at once, so a caller that met a
-// session not taking the lock calls it again); it is released at commit, before the
-// migration lock is taken. A transaction lock works through a transaction pooler. It waits for the lock at most as
-// long as the migration lock ([LockRetryAttempts] × [LockRetryPeriodSeconds]), whatever
+// session not taking the lock calls it again. The lock is released at commit, before the
+// migration lock is taken. A transaction lock works through a transaction pooler. It
+// waits for the lock at most as long as the migration lock ([LockRetryAttempts] × [LockRetryPeriodSeconds]), whatever
 // the session's statement_timeout. An existing schema takes no lock.
 func createSchema(ctx context.Context, db *sql.DB, schema string) (err error) {
 	tx, err := db.BeginTx(ctx, nil)
@@ -428,8 +429,9 @@ func createSchema(ctx context.Context, db *sql.DB, schema string) (err error) {
 		}
 	}()
 	// CREATE SCHEMA checks the CREATE privilege on the database even when the schema
-	// exists: look first, so a role without it can migrate an existing schema; and an
-	// existing schema needs no lock, so a deploy that finds it waits only for the migration lock.
+	// exists. Look first, so a role without it can migrate an existing schema. An existing
+	// schema needs no lock either, so a deploy that finds it waits only for the migration
+	// lock.
 	const existsSQL = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)"
 	var exists bool
 	if err := tx.QueryRowContext(ctx, existsSQL, schema).Scan(&exists); err != nil {
@@ -566,10 +568,10 @@ func Reset(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationResul
 }
 
 // DownTo rolls back the applied pgidem migrations above version, most recently applied
-// first, like goose's down-to and `pgidem migrate down --to VERSION` (like goose, it stops
-// at the first applied migration at or below version), and returns them (also those rolled
-// back before a failing one, whose *goose.PartialError the error wraps; none when the
-// database is at version or below). A rollback removes what the migration created, rows
+// first, like goose's down-to and `pgidem migrate down --to VERSION`. Like goose, it stops
+// at the first applied migration at or below version. It returns them, also those rolled
+// back before a failing one, whose *goose.PartialError the error wraps. It returns none
+// when the database is at version or below. A rollback removes what the migration created, rows
 // included, unless [Opts.RefuseDataLoss]. Where pgidem was never installed ([Installed]
 // is false) it does nothing and creates nothing. It holds the migration lock like [Up], returns the
 // errors of [NewProvider] (a missing Opts.Schema among them) and, like [Down], refuses a
@@ -756,9 +758,9 @@ func refuseDataLoss(ctx context.Context, conn *sql.Conn, plan []int64) error {
 // AppliedAt comes from goose's version table, a timestamp without time zone written with
 // now() in the session time zone of the connection that applied the migration; it is read
 // as UTC. Migrations applied through [OpenDB] or the pgidem command (both use UTC
-// sessions) are therefore exact; one applied through a session with another TimeZone (the
-// goose CLI, another tool, a *sql.DB opened by the caller, on a server whose TimeZone is
-// not UTC) shows shifted by that zone's offset.
+// sessions) are therefore exact. One applied through a session with another TimeZone shows
+// shifted by that zone's offset: the goose CLI, another tool, or a *sql.DB opened by the
+// caller, on a server whose TimeZone is not UTC.
 func Status(ctx context.Context, db *sql.DB, opts *Opts) ([]*goose.MigrationStatus, error) {
 	provider, err := newProvider(ctx, db, opts, nil)
 	if err != nil {

@@ -1,11 +1,11 @@
 // Package pgidemotel reports pgidem's outcomes as OpenTelemetry metrics and traces.
 //
-// [Hook] implements [pgidem.Hook]: install it in [pgidem.Config.Hook] and every outcome
-// (executed, replayed, in progress, waited, taken over, lease lost, store error, invalid
-// key, fingerprint mismatch, fail-open, inbox recorded, inbox duplicate) adds one to a
-// counter, [EventsMetric], with the event kind and the record's namespace (the consumer,
-// for inbox events) as attributes; the rows a sweep deletes add to a second counter,
-// [SweptMetric], so each counter has one unit:
+// [Hook] implements [pgidem.Hook]. Install it in [pgidem.Config.Hook] and every outcome
+// adds one to a counter, [EventsMetric]: executed, replayed, in progress, waited, taken
+// over, lease lost, store error, invalid key, fingerprint mismatch, fail-open, inbox
+// recorded, inbox duplicate. Its attributes are the event kind and the record's namespace
+// (the consumer, for inbox events). The rows a sweep deletes add to a second counter,
+// [SweptMetric], so each counter has one unit.
 //
 //	hook, err := pgidemotel.NewHook(meterProvider, pgidemotel.WithTracerProvider(tracerProvider))
 //	if err != nil { ... }
@@ -16,18 +16,18 @@
 //
 // # Histograms
 //
-// The hook also implements [pgidem.CallHook] and [pgidem.RoundHook] and records, in seconds,
-// the time each call took before its outcome ([WaitMetric]: the reservation, any wait for
-// another holder, a replay) and fn's duration ([FnMetric]), with the namespace, operation
-// and outcome as attributes; and each shared round's latency ([RoundDurationMetric]) and
-// size ([RoundSizeMetric]).
+// The hook also implements [pgidem.CallHook] and [pgidem.RoundHook]. It records, in
+// seconds, the time each call took before its outcome ([WaitMetric]: the reservation, any
+// wait for another holder, a replay) and fn's duration ([FnMetric]). Their attributes are
+// the namespace, operation and outcome. It also records each shared round's latency
+// ([RoundDurationMetric]) and size ([RoundSizeMetric]).
 //
 // # Traces
 //
 // With [WithTracerProvider], each Do, DoTx, DoInTx, DoSQLTx and inbox call runs in a span
-// of its own ([SpanPrefix] and the operation, such as "pgidem.Do"), a child of the span in
-// the caller's context: a River job's or an HTTP request's span when their
-// instrumentation (River's otelriver, otelhttp) wraps the pgidem middleware. Its
+// of its own, named [SpanPrefix] and the operation, such as "pgidem.Do". It is a child of
+// the span in the caller's context. That is a River job's or an HTTP request's span when
+// their instrumentation (River's otelriver, otelhttp) wraps the pgidem middleware. Its
 // attributes are db.system.name ("postgresql"), the namespace, operation, outcome,
 // attempts, waited and took over; the key only with [WithKeys], since keys can carry
 // personal data. A takeover and a lost lease add an event to the call's span

@@ -88,7 +88,7 @@ type CallOrder = protocol.Order
 const (
 	// OrderAdaptive (the zero value, the default) starts a call with the reserving insert
 	// unless most recent calls of its namespace (about 70 % of the last 32 or so) found a
-	// record: a fresh key then costs the insert and the completing update (no read), and a
+	// record. A fresh key then costs the insert and the completing update (no read). A
 	// namespace of mostly replays costs one plain indexed read per replay. The estimate is
 	// the coordinator's own, per namespace (namespaces may share one by hash).
 	OrderAdaptive = protocol.OrderAdaptive
@@ -106,19 +106,19 @@ const (
 type Config struct {
 	// Schema is the schema holding pgidem's tables. Default "": unqualified names resolved
 	// through the connection's search_path. Quoted with pgx.Identifier, never spliced, so
-	// any name works; it must be valid UTF-8 without NUL or other control characters, not
-	// only white space, and at most [SchemaMaxBytes] bytes (the rules of
-	// migrations.CheckSchemaName, which also refuses "$user"), or NewCoordinator returns an
-	// error matching [ErrInvalidArgument].
+	// any name works. It must be valid UTF-8 without NUL or other control characters, not
+	// only white space, and at most [SchemaMaxBytes] bytes. Otherwise NewCoordinator
+	// returns an error matching [ErrInvalidArgument]. These are the rules of
+	// migrations.CheckSchemaName, which also refuses "$user".
 	Schema string
 
 	// Lease is how long a reservation stays owned without a heartbeat. The holder renews it
 	// every Lease/3 while fn runs, so a slow but live holder is never taken over; a holder
 	// that dies blocks other callers for at most one Lease. A holder whose renewals do not
 	// get through has fn's context cancelled ([ErrLeaseLost]) a tenth of a Lease before its
-	// lease can end, so keep the Lease well above the store's worst round trip and the
-	// pool's worst wait for a connection (a reserving write blocked behind an open DoTx
-	// holds one for up to FinishTimeout). Default [LeaseDefault] (30 s), minimum
+	// lease can end. So keep the Lease well above the store's worst round trip and the
+	// pool's worst wait for a connection. (A reserving write blocked behind an open DoTx
+	// holds one for up to FinishTimeout.) Default [LeaseDefault] (30 s), minimum
 	// [LeaseMin]. Must be shorter than every call's TTL.
 	Lease time.Duration
 
@@ -148,42 +148,45 @@ type Config struct {
 	PollIntervalMax time.Duration
 
 	// FinishTimeout bounds the writes that run on a context detached from the caller's:
-	// the reserving insert and the takeover (so their outcome is always known; a caller
-	// cancelled while one is blocked returns when it ends, and a reservation made for it
-	// is released at once) and the finishing write — complete, store failure, release —
-	// with its retries (so a cancelled caller never leaves the record stuck in progress).
-	// A finishing write that fails because the server is unavailable (restarting,
-	// failing over, unreachable) is the exception: after those retries it keeps retrying,
-	// a second apart, each attempt bounded by FinishTimeout, until a tenth of a Lease
-	// before the lease ends as the holder counts it (from the send time of the statement
-	// that granted or last renewed it, which the server's count starts after), and for at
-	// most one Lease in all. None of these is sent once another caller could take the key
-	// over, so a restart shorter than the lease runs no effect twice.
-	// It also bounds each indexed read Do makes of a key (with its wait for a pool
-	// connection; Lookup, LookupTx and Forget run on the caller's context alone),
-	// which otherwise runs on the caller's context: a pool with no connection to spare
-	// fails a call with a [*StoreError] saying so instead of blocking it for as long as a
-	// context without deadline allows.
+	//   - the reserving insert and the takeover, so their outcome is always known. A caller
+	//     cancelled while one is blocked returns when it ends, and a reservation made for
+	//     it is released at once.
+	//   - the finishing write (complete, store failure, release) with its retries, so a
+	//     cancelled caller never leaves the record stuck in progress.
+	//   - each indexed read Do makes of a key, with its wait for a pool connection. A pool
+	//     with no connection to spare then fails a call with a [*StoreError] saying so,
+	//     instead of blocking it for as long as a context without deadline allows. Lookup,
+	//     LookupTx and Forget run on the caller's context alone.
+	//
+	// A finishing write that fails because the server is unavailable (restarting, failing
+	// over, unreachable) is the exception. After those retries it keeps retrying, a second
+	// apart, each attempt bounded by FinishTimeout. It stops a tenth of a Lease before the
+	// lease ends as the holder counts it, and after at most one Lease in all. The holder
+	// counts from the send time of the statement that granted or last renewed the lease;
+	// the server's count starts after. None of these is sent once another caller could
+	// take the key over, so a restart shorter than the lease runs no effect twice.
+	//
 	// A write that shares a round ([Config.MaxBatch]) first waits for the rounds queued
-	// ahead of it (one, unless more calls or more result bytes are queued than one round
-	// takes), and one whose round was refused then runs alone, each bounded by
-	// FinishTimeout: a cancelled caller can wait about two to three times FinishTimeout,
-	// or more behind a long queue, when the store is stuck (its heartbeat renews the lease
-	// meanwhile). Keep it well above the store's round trip and lock waits: a finishing write
-	// cut short leaves the record in progress until its lease ends, and the effect then
-	// runs again. Default [FinishTimeoutDefault] (10 s), minimum [FinishTimeoutMin]
-	// (100 ms).
+	// ahead of it. That is one round, unless more calls or more result bytes are queued
+	// than one round takes. One whose round was refused then runs alone; each is bounded by
+	// FinishTimeout. So a cancelled caller can wait about two to three times FinishTimeout,
+	// or more behind a long queue, when the store is stuck; its heartbeat renews the lease
+	// meanwhile.
+	//
+	// Keep it well above the store's round trip and lock waits: a finishing write cut
+	// short leaves the record in progress until its lease ends, and the effect then runs
+	// again. Default [FinishTimeoutDefault] (10 s), minimum [FinishTimeoutMin] (100 ms).
 	FinishTimeout time.Duration
 
 	// MaxBatch is the most calls one reserving insert, or one completing write, carries.
-	// Concurrent calls that reach either write while the coordinator already has one in
-	// flight queue and share the next statement: one round trip and one commit for many
-	// keys, in a transaction of its own with a 50 ms lock_timeout (a batch that waits
+	// Concurrent calls may reach either write while the coordinator already has one in
+	// flight. They queue and share the next statement: one round trip and one commit for
+	// many keys, in a transaction of its own with a 50 ms lock_timeout. A batch that waits
 	// longer on one key, or that the server refuses, rolls back and its calls run one by
-	// one). A call that finds none in flight runs alone at once (its statement still under
-	// that lock_timeout), so batching adds no latency without concurrency. A completing write also stops taking calls once their
-	// results add up to MaxValueBytes (the first always goes), so large results do not
-	// pile up in one statement. The protocol and its guarantees are the same either
+	// one. A call that finds none in flight runs alone at once (its statement still under
+	// that lock_timeout), so batching adds no latency without concurrency. A completing
+	// write also stops taking calls once their results add up to MaxValueBytes (the first
+	// always goes), so large results do not pile up in one statement. The protocol and its guarantees are the same either
 	// way. Default [MaxBatchDefault] (64); 1 turns batching off: every call sends its own
 	// statements, without the lock_timeout.
 	MaxBatch int
@@ -212,11 +215,11 @@ type Config struct {
 
 	// FailOpen, when true, runs fn unprotected when the store's server cannot be reached
 	// before fn would run (connection refused, timed out, network down), instead of
-	// returning [ErrStoreUnavailable]. It never applies once the store answered (a record
-	// was read, or a statement was sent and may have reserved the key), when the server
-	// answered with an error (authentication failed, a missing database or table, a wrong
-	// [Config.Schema]: those are returned), or to an invalid key. Each such run is logged at warn and reported as
-	// [EventFailOpen]. Default false: never run unprotected.
+	// returning [ErrStoreUnavailable]. It never applies once the store answered: a record
+	// was read, or a statement was sent and may have reserved the key. Nor does it apply
+	// when the server answered with an error (authentication failed, a missing database or
+	// table, a wrong [Config.Schema]: those are returned), or to an invalid key. Each
+	// unprotected run is logged at warn and reported as [EventFailOpen]. Default false: never run unprotected.
 	FailOpen bool
 
 	// MaxAttempts caps takeovers: a record whose holder's lease ran out (it died, without
@@ -235,9 +238,9 @@ type Config struct {
 	// PollOnly, when true, makes callers waiting for a record in progress only poll it
 	// (every [Config.PollIntervalMin] growing to [Config.PollIntervalMax]). Default false:
 	// a holder that finishes a record also sends a notification (pg_notify on channel
-	// "pgidem", or "pgidem.<Schema>"), and while any caller of the coordinator waits, one
+	// "pgidem", or "pgidem.<Schema>"). While any caller of the coordinator waits, one
 	// connection of its own (opened with the pool's settings, outside the pool) LISTENs for
-	// them, so waiters return within milliseconds of the outcome; polling stays the
+	// them. Waiters so return within milliseconds of the outcome; polling stays the
 	// fallback. Set it behind a transaction-pooling PgBouncer, where LISTEN cannot work,
 	// or where a connection outside the pool is not allowed.
 	PollOnly bool
@@ -327,9 +330,9 @@ type Coordinator struct {
 // The pool may use any of pgx's query modes (ConnConfig.DefaultQueryExecMode), including
 // QueryExecModeExec and the simple protocol, which pools behind a transaction-pooling
 // proxy such as PgBouncer often use; the mode is read once, here. pgidem's own statements
-// are written for READ COMMITTED, Postgres's default isolation; on a pool whose sessions
+// are written for READ COMMITTED, Postgres's default isolation. On a pool whose sessions
 // default to REPEATABLE READ or SERIALIZABLE, contention on a key makes the server refuse
-// some of them with serialization failures, which pgidem answers by reading the key again
+// some of them with serialization failures. pgidem answers those by reading the key again
 // (slower, still correct).
 func NewCoordinator(pool *pgxpool.Pool, config *Config) (*Coordinator, error) {
 	if pool == nil {

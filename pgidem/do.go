@@ -50,9 +50,9 @@ type DoOpts struct {
 	// Reconcile, when set, is asked before fn runs again on a key whose effect an earlier
 	// holder may have run: when the record shows an earlier attempt (a holder whose lease
 	// ran out, [Result.Attempts] ≥ 2). It looks the effect up at its provider (a payment
-	// by the same idempotency key, a mail by message id) and answers found, with the
-	// value fn would have returned (a T, or anything that encodes to JSON decoding into
-	// T): the value is stored and returned as if fn had returned it, fn does not run, and
+	// by the same idempotency key, a mail by message id). Found: it answers with the value
+	// fn would have returned (a T, or anything that encodes to JSON decoding into T). The
+	// value is then stored and returned as if fn had returned it, fn does not run, and
 	// the outcome is [OutcomeReconciled]. Not found: fn runs. An error: the record is
 	// released and the error returned, so the next delivery decides. It runs with fn's
 	// context (the key, the fence, the heartbeat's cancellation). Used by [Do] and
@@ -106,7 +106,7 @@ type Result[T any] struct {
 	FailedOpen bool
 	// LeaseLost is true when fn ran and the write that followed it (completing, storing a
 	// permanent failure, or releasing after fn's error) found the reservation taken over by
-	// another holder: fn's outcome was not written, and the effect may have run more than
+	// another holder. fn's outcome was not written, and the effect may have run more than
 	// once. The error says so too, except after fn's own ordinary error, which is returned
 	// unchanged: then this is the only sign. (fn's context is cancelled with cause
 	// [ErrLeaseLost] when no renewal succeeded by a tenth of a lease before it ends, before
@@ -123,81 +123,35 @@ func Do[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl t
 }
 
 // DoResult runs fn under an idempotency key reserved in Postgres and reports how its value
-// was obtained.
+// was obtained. The first caller reserves the key and runs fn with a context that carries
+// the key ([KeyFromContext]); later calls within ttl replay the stored value or error
+// without running fn. The package documentation describes the lease and heartbeat
+// ("Concurrency: in progress, lease, heartbeat, takeover") and what each outcome of fn
+// stores ("Outcomes of fn"). It also describes what a replay returns ("Replayed values")
+// and cancellation ("Store errors, cancellation and the pool").
 //
-// The key names the effect ("order-9.invoice"), not the delivery: a job or message id only
-// dedupes redeliveries of that one job, not two jobs for the same effect. namespace and key
-// are separate columns, so no character is reserved; they must be non-empty valid UTF-8
-// without control characters, within [Config.MaxNamespaceBytes] and [Config.MaxKeyBytes],
-// or the call returns an [*InvalidKeyError] and fn is never run. ttl is how long the
-// record counts, measured from completion (while in progress, from the holder's last
-// heartbeat: its record expires a ttl after its lease, so a dead holder is always taken
-// over first): at least [Config.MinTTL] and longer than the lease, or [*InvalidTTLError].
-// Make it outlive the queue's retry and retention horizon ([DoOpts.Lease] out of range
-// returns the same error). A nil c or fn, another [DoOpts] field out of range, or a call
-// for the key from within the fn of a call holding it, directly or through calls for other
-// keys (it would wait for itself), returns an error matching [ErrInvalidArgument]; fn is
-// not run.
+// Errors (fn is not run unless noted):
+//   - namespace or key empty, not valid UTF-8, with control characters, or over
+//     [Config.MaxNamespaceBytes] / [Config.MaxKeyBytes]: an [*InvalidKeyError].
+//   - ttl below [Config.MinTTL] or not longer than the lease, or [DoOpts.Lease] out of
+//     range: an [*InvalidTTLError].
+//   - a nil c or fn, another [DoOpts] field out of range, or a call for the key from
+//     within the fn of a call holding it (it would wait for itself): [ErrInvalidArgument].
+//   - the key in progress under a live lease: an [*InProgressError], at once under
+//     [InFlightRaise], after the wait timeout under [InFlightWait].
+//   - a database error before fn: a [*StoreError] matching [ErrStoreUnavailable], unless
+//     [Config.FailOpen]; ctx ending before fn: ctx's error, with no reservation left.
+//   - fn's own error, returned unchanged after the record is released; a [Permanent] one
+//     is stored first, or a [*FailureNotStoredError] says it was not.
+//   - fn ran but its record was taken over: fn's value with an error matching
+//     [ErrLeaseLost]; a value JSON cannot store exactly: [ErrResultNotStorable].
+//   - a stored value that no longer decodes into T: [ErrReplayNotDecodable].
+//   - a dead holder's record at the attempts cap ([Config.MaxAttempts]): it is parked,
+//     and this and every later call return a [*ParkedError]; fn does not run.
 //
-// The first caller reserves the key and runs fn with a context that carries the key
-// ([KeyFromContext]) and is cancelled with cause [ErrLeaseLost] when renewals stall until a
-// tenth of a lease before it ends or find the reservation taken over (see
-// [Result.LeaseLost] for what proves a takeover); a heartbeat renews the lease every lease/3 while fn runs, so a slow live
-// holder is never taken over. No connection is held while fn runs. Then:
-//   - fn succeeds: the value is stored as JSON (jsonb, encoding/json rules) and returned;
-//     later calls replay it, decoded into T. Zero values, nil pointers, empty slices and
-//     null are stored as such. A stored value that no longer decodes into T (a result
-//     type changed between deploys, two call sites share a key with different types)
-//     replays as an error matching [ErrReplayNotDecodable], and fn does not run. Three
-//     limits come from JSON and jsonb: a json.RawMessage replays as the same JSON value in
-//     jsonb's normal form, numbers inside an any decode as float64, and a negative zero
-//     replays as 0 (jsonb's numeric has no sign on zero). A value that cannot be stored exactly (a channel, NaN, a string with NUL or
-//     invalid UTF-8, more than [Config.MaxValueBytes] of JSON, nesting deeper than 10000)
-//     is returned with an error matching [ErrResultNotStorable]; the record is completed
-//     without it, so the effect is not repeated.
-//   - fn returns an error: the record is released so the next delivery runs fn again, and
-//     the error is returned unchanged. Releasing deletes a first reservation; one that
-//     took over a dead holder's is kept with its lease ended, so the next call takes it
-//     over at once (counting no attempt and reporting no takeover: this holder did not
-//     die) and the record's attempts still show that the effect may have run more than
-//     once.
-//   - fn returns a [Permanent] error: it is stored and replayed as a
-//     [*StoredFailureError]. When storing it fails, the error returned is a
-//     [*FailureNotStoredError]: it matches fn's error and also [ErrStoreUnavailable] or
-//     [ErrLeaseLost], and nothing will be replayed: a later call takes the key over once
-//     the lease ends.
-//   - fn panics: the record is released and the panic continues.
-//   - encoding fn's value panics (its MarshalJSON): the effect ran, so the record is
-//     completed without the value, as for a value that cannot be stored (later calls
-//     replay an error matching [ErrResultNotStorable]), and the panic continues.
-//
-// The finishing write runs on a context detached from ctx, bounded by
-// [Config.FinishTimeout] and retried briefly (while the lease lasts when the server is
-// restarting or unreachable), so a cancelled caller does not leave the record stuck in
-// progress. If it finds the reservation taken over, the value is returned
-// with an error matching [ErrLeaseLost] (the effect may have run twice; the record's
-// attempts say so).
-//
-// A caller that finds the key in progress under a live lease follows the in-flight policy
-// ([InFlightWait] by default, [InFlightRaise]); a waiter gives up with an
-// [*InProgressError] after the wait timeout, or with ctx.Err() when ctx ends, and never
-// writes. A record whose lease expired (its holder died) is taken over and fn runs again
-// with Attempts incremented, unless its attempts reached [Config.MaxAttempts]: then it is
-// parked and the call, like every later one, returns a [*ParkedError] without running fn.
-// An expired record behaves exactly like no record.
-//
-// Database errors before fn runs return a [*StoreError] (matching [ErrStoreUnavailable])
-// and fn is not run, unless [Config.FailOpen] is set. Cancelling ctx before fn runs
-// returns ctx.Err() and leaves no reservation behind (one made while ctx ended is released
-// at once; a reserving statement already sent finishes first, within
-// [Config.FinishTimeout]). With every connection of the pool in use (a pool smaller than
-// the calls holding one, such as handlers inside [Coordinator.InboxHandle] or [DoInTx]
-// calling Do), the statements before fn wait for a connection while ctx lasts and, when
-// ctx ends first, return its error with nothing sent (with or without
-// [DoOpts.ReserveFirst]), also while queued behind a concurrent call's shared reserving
-// statement that waits for its connection; the reserving statement waits at most
-// [Config.FinishTimeout] and then returns a [*StoreError]. Size the pool for the calls in
-// flight. Safe for concurrent use.
+// Defaults: the lease is [Config.Lease] (30 s), renewed every lease/3; the wait timeout is
+// [Config.WaitTimeout] (one minute); [DoOpts] overrides both per call. ttl counts from
+// completion, or from the last heartbeat while in progress. Safe for concurrent use.
 func DoResult[T any](ctx context.Context, c *Coordinator, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context) (T, error)) (Result[T], error) {
 	var res Result[T]
 	if c == nil || fn == nil {
@@ -271,12 +225,12 @@ func decodeReplay[T any](namespace, key string, r *store.Row, value *T) error {
 	return nil
 }
 
-// encodeValue encodes fn's value for a record, refusing JSON that jsonb cannot store or
+// encodeValue encodes fn's value for a record. It refuses JSON that jsonb cannot store or
 // that would not replay as it was: larger than maxBytes, a string with a NUL character,
 // nesting deeper than a replay decodes, or an invalid UTF-8 string. encoding/json writes
-// invalid UTF-8 as the escape \ufffd (a valid U+FFFD it writes as raw bytes), so a
-// result holding that escape is decoded and encoded again: unchanged (a json.RawMessage
-// or a MarshalJSON that wrote the escape itself) it is stored; changed, it was invalid.
+// invalid UTF-8 as the escape \ufffd (a valid U+FFFD it writes as raw bytes). So a
+// result holding that escape is decoded and encoded again. Unchanged (a json.RawMessage
+// or a MarshalJSON that wrote the escape itself), it is stored; changed, it was invalid.
 func encodeValue[T any](value T, maxBytes int) ([]byte, error) {
 	b, err := json.Marshal(value)
 	if err != nil {

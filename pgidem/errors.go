@@ -39,16 +39,16 @@ var (
 	// ErrStoreUnavailable wraps a database error: the store could not be reached or a
 	// statement failed. Before fn runs it means fn was not run (unless [Config.FailOpen]).
 	// A statement on the caller's context cut off because that context ended (its deadline
-	// passed, or it was cancelled), or failing after it ended (pgx closes the connection of
-	// a cut-off query), is not a store error: the call returns an error matching
-	// context.DeadlineExceeded or context.Canceled, unlogged and uncounted. A driver
+	// passed, or it was cancelled) is not a store error. Nor is one failing after it ended
+	// (pgx closes the connection of a cut-off query). The call then returns an error
+	// matching context.DeadlineExceeded or context.Canceled, unlogged and uncounted. A driver
 	// timeout of its own (connect_timeout) under a live context is one, and so is a
 	// statement pgidem bounds itself ([Config.FinishTimeout]). See [*StoreError].
 	ErrStoreUnavailable = store.ErrUnavailable
 
 	// ErrNotMigrated is matched, besides [ErrStoreUnavailable], by a [*StoreError] whose
 	// cause is that pgidem's tables or columns do not exist where the coordinator looks
-	// (undefined table 42P01, undefined column 42703, no such schema 3F000): its
+	// (undefined table 42P01, undefined column 42703, no such schema 3F000). Its
 	// migrations have not run on this database and schema ([Config.Schema]), or not all of
 	// them. A misconfiguration, not an outage: retrying does not help, and
 	// [Config.FailOpen] does not apply to it.
@@ -60,13 +60,13 @@ var (
 	ErrPermanent = protocol.ErrPermanent
 
 	// ErrResultNotStorable means fn succeeded but its value could not be stored as JSON
-	// for the record and replayed as it was: it cannot be encoded (a channel, a function,
-	// NaN), it holds a string with a NUL character or invalid UTF-8, it is larger than
-	// [Config.MaxValueBytes] or nested deeper than encoding/json decodes (10000 levels), or
-	// Postgres refused the JSON (jsonb rejects an unpaired surrogate, a number beyond
-	// numeric's range). The record is completed without a result, so the effect is not
-	// repeated; replays return this error. (In [DoTx] fn's writes are rolled back instead
-	// and nothing is recorded.)
+	// for the record and replayed as it was. It cannot be encoded (a channel, a function,
+	// NaN); it holds a string with a NUL character or invalid UTF-8; it is larger than
+	// [Config.MaxValueBytes] or nested deeper than encoding/json decodes (10000 levels). Or
+	// Postgres refused the JSON: jsonb rejects an unpaired surrogate, a number beyond
+	// numeric's range. The record is completed without a result, so the effect is not
+	// repeated; replays return this error. In [DoTx] fn's writes are rolled back instead
+	// and nothing is recorded.
 	ErrResultNotStorable = protocol.ErrResultNotStorable
 
 	// ErrReplayNotDecodable means a completed record's stored result does not decode into
@@ -87,15 +87,18 @@ var (
 	ErrNotFound = protocol.ErrNotFound
 
 	// ErrInvalidArgument means a setting or argument other than the key and the TTL is
-	// invalid: a [Config] field out of range ([NewCoordinator]), a nil coordinator (given
-	// to [Do], [DoTx] or [DoInTx]; a method called on a nil *Coordinator panics), pool,
-	// transaction or fn (including [Coordinator.InboxHandle]'s fn and
-	// [Coordinator.InboxRecordTx]'s transaction), a [DoOpts] field other than Lease (an
-	// [*InvalidTTLError]) or a [SweepOpts] field out of range, a read-only or already
-	// aborted transaction given to [DoTx] (which must write the record), an aborted or
-	// already ended transaction given to [Coordinator.InboxRecordTx], or a call for a key (an inbox message,
-	// for [Coordinator.InboxHandle]) from within the fn of a call that holds it. The error's message names the field (or, for a held
-	// key, the key). fn is not run.
+	// invalid. fn is not run. The error's message names the field (or, for a held key, the
+	// key). It covers:
+	//   - a [Config] field out of range ([NewCoordinator]).
+	//   - a nil coordinator (given to [Do], [DoTx] or [DoInTx]; a method called on a nil
+	//     *Coordinator panics), pool, transaction or fn. That includes
+	//     [Coordinator.InboxHandle]'s fn and [Coordinator.InboxRecordTx]'s transaction.
+	//   - a [DoOpts] field other than Lease (an [*InvalidTTLError]), or a [SweepOpts] field
+	//     out of range.
+	//   - a read-only or already aborted transaction given to [DoTx], which must write the
+	//     record; an aborted or already ended one given to [Coordinator.InboxRecordTx].
+	//   - a call for a key (an inbox message, for [Coordinator.InboxHandle]) from within
+	//     the fn of a call that holds it.
 	ErrInvalidArgument = protocol.ErrInvalidArgument
 )
 
@@ -129,12 +132,11 @@ type StoreError = store.Error
 type PermanentError = protocol.PermanentError
 
 // FailureNotStoredError is returned by [Do], [DoResult], [DoTx], [DoTxResult], [DoInTx]
-// and [DoInTxResult] when fn returned a
-// [Permanent] error that could not be stored: nothing will be replayed, and a later call
-// runs fn again (Do: once the lease ends; DoTx: at once). It is always the call's
-// top-level error, never wrapped, so a type assertion (err.(*FailureNotStoredError))
-// tells pgidem's verdict apart from one fn's own error may carry from a nested call;
-// errors.Is and errors.As reach both Err and Cause.
+// and [DoInTxResult] when fn returned a [Permanent] error that could not be stored.
+// Nothing will be replayed, and a later call runs fn again (Do: once the lease ends; DoTx:
+// at once). It is always the call's top-level error, never wrapped. So a type assertion
+// (err.(*FailureNotStoredError)) tells pgidem's verdict apart from one fn's own error may
+// carry from a nested call. errors.Is and errors.As reach both Err and Cause.
 type FailureNotStoredError = protocol.FailureNotStoredError
 
 // ParkedError reports a record parked at the attempts cap ([Config.MaxAttempts]): [Do],

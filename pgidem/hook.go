@@ -10,10 +10,10 @@ import (
 type EventKind = protocol.EventKind
 
 // Event kinds. A call reports at most one of Executed, Replayed, Parked, InProgress,
-// InvalidKey, FingerprintMismatch or StoreError as its outcome (a cancelled caller reports none), plus
-// Waited, TakenOver, LeaseLost or FailOpen when those happened along the way (FailOpen
-// follows the StoreError that caused it; a failed heartbeat or finishing write reports a
-// StoreError after Executed). Sweep reports Swept; the inbox reports EventInboxRecorded or
+// InvalidKey, FingerprintMismatch or StoreError as its outcome; a cancelled caller reports none. It
+// also reports Waited, TakenOver, LeaseLost or FailOpen when those happened along the way.
+// FailOpen follows the StoreError that caused it; a failed heartbeat or finishing write
+// reports a StoreError after Executed. Sweep reports Swept; the inbox reports EventInboxRecorded or
 // EventInboxDuplicate. A DoTx that yields to a concurrent Do reservation after running fn
 // can report Executed and then the outcome of its retry.
 const (
@@ -38,10 +38,11 @@ const (
 	EventParked = protocol.EventParked
 	// EventStoreError: a database error was returned or logged.
 	EventStoreError = protocol.EventStoreError
-	// EventInvalidKey: the call's input was rejected before fn ran: namespace, key,
-	// TTL, DoOpts, an inbox consumer, message id or payload, a read-only transaction
-	// given to DoTx, an aborted, committed or rolled-back transaction given to DoTx or
-	// InboxRecordTx, or a call for a key from within the fn of a call that holds it.
+	// EventInvalidKey: the call's input was rejected before fn ran. That is a namespace,
+	// key, TTL, DoOpts, an inbox consumer, message id or payload. It is also a read-only
+	// transaction given to DoTx, or an aborted, committed or rolled-back one given to DoTx
+	// or InboxRecordTx. And it is a call for a key from within the fn of a call that holds
+	// it.
 	EventInvalidKey = protocol.EventInvalidKey
 	// EventFingerprintMismatch: the key was reused with a different fingerprint.
 	EventFingerprintMismatch = protocol.EventFingerprintMismatch
@@ -65,8 +66,8 @@ type Event struct {
 	Kind EventKind
 	// Namespace is the record's namespace; the consumer for inbox events
 	// ([EventInboxRecorded], [EventInboxDuplicate]); "" for sweeps (and a sweep's
-	// [EventStoreError]), and "" for an [EventInvalidKey] whose namespace (or consumer) is
-	// itself what was rejected, so rejected input never becomes a metric attribute: a
+	// [EventStoreError]). It is "" for an [EventInvalidKey] whose namespace (or consumer)
+	// is itself what was rejected, so rejected input never becomes a metric attribute. A
 	// hook can use Namespace as a label without bounding or sanitising it beyond what
 	// [Config.MaxNamespaceBytes] allows.
 	Namespace string
@@ -95,7 +96,7 @@ type HookFunc func(ctx context.Context, event Event)
 func (f HookFunc) OnEvent(ctx context.Context, event Event) { f(ctx, event) }
 
 // ReportInvalidKey sends [EventInvalidKey] for namespace to [Config.Hook], as the
-// coordinator's own calls do when they refuse a key: for integrations that refuse an
+// coordinator's own calls do when they refuse a key. It is for integrations that refuse an
 // idempotency key themselves before any call (pgidemhttp answers a malformed
 // Idempotency-Key header with 400), so that one counter covers every refused key. A
 // namespace that is itself invalid is reported as "". It touches no record, returns

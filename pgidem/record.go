@@ -59,7 +59,7 @@ type ForgetOpts struct {
 // within its TTL) is refused with an [*InProgressError] (matching [ErrInProgress];
 // RetryAfter is its remaining lease) unless opts.Force is set: its holder may be running
 // the effect right now. The check and the delete are one statement, so a holder renewing
-// or taking the record over at the same moment is never deleted without Force; a record
+// or taking the record over at the same moment is never deleted without Force. A record
 // that such writes keep making live again is refused the same way after three attempts,
 // with a RetryAfter of 1 ms and no LeaseExpiresAt. A parked record ([StatusParked]) is
 // deleted like a completed one: forgetting it is how an operator lets the key run again.

@@ -16,10 +16,10 @@ import (
 // errors and events are those of the pgx forms, through one implementation: the same
 // advisory lock, savepoint, record and replay, so a pgx caller and a database/sql caller
 // share keys. What differs:
-//   - fn receives the caller's *sql.Tx itself, not a savepoint object: fn's statements run
-//     inside DoTx's savepoint all the same, and a fn that calls tx.Commit or tx.Rollback
-//     ends the whole transaction (DoSQLTx then returns an error matching
-//     [ErrInvalidArgument], as the pgx form does for a fn that ends its savepoint).
+//   - fn receives the caller's *sql.Tx itself, not a savepoint object. fn's statements run
+//     inside DoTx's savepoint all the same. A fn that calls tx.Commit or tx.Rollback ends
+//     the whole transaction. DoSQLTx then returns an error matching [ErrInvalidArgument],
+//     as the pgx form does for a fn that ends its savepoint.
 //   - DoTx's pipelined lock and read run as separate statements: one more round trip.
 //   - A driver's server error is kept in a [*StoreError]'s chain as the driver returned
 //     it; its SQLSTATE also matches a *pgconn.PgError (errors.As) with that code.

@@ -34,9 +34,9 @@ type RequireOpts struct {
 
 	// Result, when not nil, is the value a completed record must store
 	// ([RequireCompleted] only). It is encoded with encoding/json, as pgidem encodes the
-	// value fn returned, and compared with the stored JSON as a JSON value: object key
-	// order and spacing do not matter, numbers compare by exact value (1, 1.0 and 1e0
-	// are equal; the number 42 and the string "42" are not). A json.RawMessage is taken as
+	// value fn returned, and compared with the stored JSON as a JSON value. Object key
+	// order and spacing do not matter. Numbers compare by exact value: 1, 1.0 and 1e0 are
+	// equal; the number 42 and the string "42" are not. A json.RawMessage is taken as
 	// the JSON it holds, so json.RawMessage("null") expects the result of an fn that
 	// returned a nil pointer, slice or map; a []byte is encoded (as base64) like any other
 	// value, as pgidem stores it. Given to [RequireFailed], it fails the test.
@@ -51,9 +51,9 @@ type RequireOpts struct {
 
 // RequireCompleted fails tb unless the key has a completed record within its TTL that
 // passes opts, and returns that record (nil after failing tb, for a tb whose FailNow
-// returns). It fails tb, too, when the record cannot be read (an invalid key, the store
-// unreachable, pgidem's tables missing, a nil coordinator, or a nil tx given to a Tx form)
-// and when opts sets a field that does not apply. Cancelling ctx stops the read and fails
+// returns). It fails tb, too, when opts sets a field that does not apply. And it fails tb
+// when the record cannot be read: an invalid key, the store unreachable, pgidem's tables missing, a
+// nil coordinator, or a nil tx given to a Tx form. Cancelling ctx stops the read and fails
 // tb.
 func RequireCompleted(ctx context.Context, tb TestingT, c *pgidem.Coordinator, namespace, key string, opts *RequireOpts) *pgidem.Record {
 	tb.Helper()

@@ -29,22 +29,22 @@ const (
 	// river.JobSnooze or river.JobCancel comes here, with nothing left to release: the
 	// record is the new holder's. Any other worker error is then [ActionError].)
 	ActionReleased Action = "released"
-	// ActionCancelled: the effect failed permanently (the worker returned a
+	// ActionCancelled: the effect failed permanently. The worker returned a
 	// [pgidem.Permanent] error, now or on an earlier job with the key, possibly wrapped in
-	// its own river.JobCancel); the failure was stored and the job cancelled with
+	// its own river.JobCancel. The failure was stored and the job cancelled with
 	// river.JobCancel so River does not retry it. A key whose record is parked
 	// ([pgidem.OutcomeParked]: holders kept dying until [pgidem.Config.MaxAttempts]) is
-	// cancelled the same way, with the [*pgidem.ParkedError]: it needs an operator, and a
-	// retry would only find it parked again. When the store kept failing, the job is
+	// cancelled the same way, with the [*pgidem.ParkedError]: it needs an operator. When
+	// the store kept failing, the job is
 	// cancelled all the same but the failure is not stored ([Outcome.RecordNotCompleted]):
 	// a later job with the key takes the record over once its lease ends and runs the
 	// worker again.
 	ActionCancelled Action = "cancelled"
 	// ActionError: the middleware could not decide (invalid key, undecodable args, store
-	// unreachable), or the write after the worker found the record taken over: the worker
-	// succeeded, failed permanently, or returned an error (other than its own
-	// river.JobSnooze or river.JobCancel, which pass through unchanged as [ActionReleased]),
-	// and its outcome was not stored: the record is the new holder's. The error, matching
+	// unreachable), or the write after the worker found the record taken over. In the
+	// second case the worker succeeded, failed permanently, or returned an error, and its
+	// outcome was not stored: the record is the new holder's. (The worker's own
+	// river.JobSnooze or river.JobCancel pass through unchanged as [ActionReleased].) The error, matching
 	// [pgidem.ErrLeaseLost] in that case (and wrapping the worker's), was returned to River,
 	// which retries the job and replays or waits for the new holder's outcome.
 	ActionError Action = "error"

@@ -47,7 +47,8 @@ type Config struct {
 	TTL time.Duration
 
 	// InFlight is what an execution does when another execution holds the key with a live
-	// lease — the stuck-job rescuer re-running a slow job, or two jobs for one effect:
+	// lease. That happens when the stuck-job rescuer re-runs a slow job, or with two jobs
+	// for one effect.
 	//   - [pgidem.InFlightRaise] (the default, also for [pgidem.InFlightDefault]): return
 	//     river.JobSnooze with the holder's remaining lease as delay, clamped to
 	//     [SnoozeMin, SnoozeMax] so a duplicate of a fast job comes back soon.
@@ -69,31 +70,33 @@ type Config struct {
 	// [pgidem.ErrInvalidArgument].
 	SnoozeMin time.Duration
 
-	// SnoozeMax is the longest snooze delay: a job snoozed behind a live holder comes back
-	// at least this often to replay the holder's outcome once it completed (a live holder
-	// renews its lease, so its remaining lease says nothing about when it will finish).
+	// SnoozeMax is the longest snooze delay. A job snoozed behind a live holder comes back
+	// at least this often to replay the holder's outcome once it completed. A live holder
+	// renews its lease, so its remaining lease says nothing about when it will finish.
 	// Default [SnoozeMaxDefault] (5 s), or SnoozeMin when that is longer; set, it must not
 	// be below SnoozeMin.
 	SnoozeMax time.Duration
 
 	// SQLTimeout bounds the reservation step of each execution: the middleware's
 	// statements before the worker runs (reserving the key, reading a completed record for
-	// a replay, taking over an expired lease) and, under [pgidem.InFlightWait], the wait as
-	// well — that step gets SQLTimeout + WaitTimeout. River runs worker middleware before
-	// it applies JobTimeout, so without it the middleware's context has no deadline.
+	// a replay, taking over an expired lease). Under [pgidem.InFlightWait] it bounds the
+	// wait as well, and that step gets SQLTimeout + WaitTimeout. River runs worker
+	// middleware before it applies JobTimeout, so without it the middleware's context has
+	// no deadline.
 	//
-	// It never bounds the worker: the timer stops as soon as the worker starts, and the
+	// It never bounds the worker: the timer stops as soon as the worker starts. The
 	// worker's context is then cancelled only by the job's own context (JobTimeout, client
-	// shutdown) or with cause [pgidem.ErrLeaseLost] when renewals stall until a tenth of a
-	// lease before it ends, or a renewal finds the record taken over (the cause alone does
-	// not prove a takeover) — for as long as the worker runs. Nor does it bound the finishing
-	// write, which the coordinator bounds with [pgidem.Config.FinishTimeout].
+	// shutdown), or with cause [pgidem.ErrLeaseLost] for as long as the worker runs. That
+	// cause comes when renewals stall until a tenth of a lease before it ends, or a renewal
+	// finds the record taken over; the cause alone does not prove a takeover. Nor does it
+	// bound the finishing write, which the coordinator bounds with
+	// [pgidem.Config.FinishTimeout].
 	//
-	// A reservation step that runs out of time fails the job (River retries it) with an
-	// error that names Config.SQLTimeout and matches context.DeadlineExceeded; the worker
-	// does not run and no reservation is left behind. For that, a reserving write already
-	// sent when the time runs out is not abandoned: pgidem waits for its outcome, at most
-	// [pgidem.Config.FinishTimeout] (and releases what it reserved). With a store that
+	// A reservation step that runs out of time fails the job (River retries it). The error
+	// names Config.SQLTimeout and matches context.DeadlineExceeded; the worker does not run
+	// and no reservation is left behind. For that, a reserving write already sent when the
+	// time runs out is not abandoned: pgidem waits for its outcome, at most
+	// [pgidem.Config.FinishTimeout], and releases what it reserved. With a store that
 	// hangs (a table lock, a server that stopped answering) the step can therefore last
 	// up to that long beyond SQLTimeout. Default [SQLTimeoutDefault] (10 s);
 	// negative values are rejected by [NewMiddleware].

@@ -26,16 +26,16 @@ type KeyArgs interface {
 
 // NamespaceArgs may be implemented by job args besides [KeyArgs] to choose the record's
 // namespace. Default (or an empty result): the canonical kind of the registered args type
-// (its Kind method), also for a job inserted under one of its kind aliases
+// (its Kind method). That holds also for a job inserted under one of its kind aliases
 // (river.JobArgsWithKindAliases), so a kind rename does not split the keys of one effect
 // across two namespaces. Jobs of different kinds that perform the same effect return the
 // same namespace so their keys collide on purpose. The namespace is limited like any
 // pgidem namespace ([pgidem.Config.MaxNamespaceBytes]); an invalid one fails the job with
 // an error matching [pgidem.ErrInvalidKey] without running the worker. That includes the
-// default: River allows kinds of up to 127 characters (more bytes when not ASCII), pgidem
-// namespaces 64 bytes by default, so a longer kind needs this method with [KeyArgs] (it
-// is not consulted without it), a [Config.KeyFunc] that names a namespace, or
-// [Config.ExcludeKinds]; [Middleware.Register] logs an error for a registered kind that
+// default. River allows kinds of up to 127 characters (more bytes when not ASCII), pgidem
+// namespaces 64 bytes by default. So a longer kind needs this method with [KeyArgs] (it is
+// not consulted without it), a [Config.KeyFunc] that names a namespace, or
+// [Config.ExcludeKinds]. [Middleware.Register] logs an error for a registered kind that
 // would fail.
 type NamespaceArgs interface {
 	IdempotencyNamespace() string
@@ -61,9 +61,9 @@ const (
 	// the same job (a crash before River recorded completion, the stuck-job rescuer running
 	// it again), not two jobs enqueued for the same effect. Logged once per kind at warn
 	// and counted in [Stats.JobIDKeys]. A job id is unique only within one River job
-	// table while its sequence runs on: clients of different River schemas sharing one
-	// pgidem table, or a job table recreated within the TTL, reuse ids, and a new job
-	// would replay an old one's record. Give them different namespaces ([Config.KeyFunc])
+	// table while its sequence runs on. Clients of different River schemas sharing one
+	// pgidem table, or a job table recreated within the TTL, reuse ids. A new job would
+	// then replay an old one's record. Give them different namespaces ([Config.KeyFunc])
 	// or pgidem schemas.
 	KeySourceJobID KeySource = "job_id"
 )

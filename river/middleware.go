@@ -18,39 +18,16 @@ import (
 // Middleware is a River worker middleware ([rivertype.WorkerMiddleware]) that runs each job
 // under a pgidem reservation, so a job's effect happens once however often River delivers
 // it. Create it with [NewMiddleware] and register the pointer in river.Config.Middleware
-// (every worker) or return it from a worker's Middleware method (that worker only).
-// Register it once per job; registering it in both places (or two Middleware values) is
-// safe: the outer registration decides (reserves the key, or skips an excluded kind), an
-// execution it already handles passes straight through the inner one to the worker, and
+// (every worker) or return it from a worker's Middleware method (that worker only). The
+// steps of each execution are under "Middleware: per execution" in the package
+// documentation.
+//
+// Register it once per job. Registering it in both places (or two Middleware values) is
+// safe. The outer registration decides: it reserves the key, or skips an excluded kind.
+// An execution it already handles passes straight through the inner one to the worker, and
 // only the outer registration reports an [Outcome] and counts in [Stats]. River runs a
 // worker's own middleware outside the client's, so with two Middleware values the
 // worker's decides.
-//
-// Per execution, in order:
-//  1. Key: the args' [KeyArgs] key (decoded from the job's encoded args), else
-//     [Config.KeyFunc], else the job id ([KeySourceJobID]). Namespace: [NamespaceArgs],
-//     else the canonical kind of the registered args type (the job kind when the type is
-//     not registered).
-//  2. Reserve the key ([pgidem.DoResult]) within [Config.SQLTimeout], with
-//     [pgidem.DoOpts.ReserveFirst]: most jobs name a new key, so the reserving insert is
-//     the first statement (it returns a completed record itself when there is one).
-//  3. Completed before: return nil without running the worker (replay).
-//     In progress elsewhere: snooze or wait ([Config.InFlight]).
-//     Otherwise: run the worker (doInner) while a heartbeat renews the lease for as long
-//     as it runs — also past JobTimeout and for jobs without a timeout — so the rescuer's
-//     duplicate finds it in progress rather than taking over.
-//  4. Worker returns nil: the record completes (when it cannot, the job completes all the
-//     same: [Outcome.RecordNotCompleted]). Worker returns an error: the record is
-//     released and the error returned unchanged (snooze and cancel errors included), so
-//     River retries; when the release finds the record taken over, the error is wrapped
-//     in one matching [pgidem.ErrLeaseLost] ([ActionError]), and when pgidem cancelled the
-//     worker because its renewals failed (the record not taken over) in one that says so,
-//     except the worker's own river.JobSnooze or river.JobCancel, which pass through
-//     unchanged. A
-//     [pgidem.Permanent] error is stored and the job cancelled. Renewals that stall until a
-//     tenth of a lease before it ends, or a renewal that finds the record taken over,
-//     cancel the worker's context with cause [pgidem.ErrLeaseLost], however long the
-//     worker has run (the cause alone does not prove a takeover).
 //
 // It is safe for concurrent use and may serve several clients.
 type Middleware struct {
@@ -70,23 +47,24 @@ type Middleware struct {
 var _ rivertype.WorkerMiddleware = (*Middleware)(nil)
 
 // Work implements [rivertype.WorkerMiddleware]; River calls it for every execution of a job.
-// See [Middleware] for what it does. The error it returns is the worker's, unchanged, when
-// the worker ran and failed (wrapped in one matching [pgidem.ErrLeaseLost] when the record
-// was then found taken over, or in one saying pgidem cancelled the worker when its lease
-// renewals failed, except its own river.JobSnooze or river.JobCancel);
-// river.JobSnooze when another execution holds the key; a
-// river.JobCancel wrapping a stored permanent failure; otherwise an error prefixed
-// "pgidemriver: " wrapping pgidem's ([pgidem.ErrInvalidKey], [pgidem.ErrStoreUnavailable],
-// [pgidem.ErrLeaseLost], a context error — context.DeadlineExceeded when the reservation
-// step exceeded [Config.SQLTimeout]).
+// See [Middleware] for what it does. Its errors:
+//   - the worker ran and failed: the worker's error, unchanged. It is wrapped in one
+//     matching [pgidem.ErrLeaseLost] when the record was then found taken over, or in one
+//     saying pgidem cancelled the worker when its lease renewals failed. The worker's own
+//     river.JobSnooze or river.JobCancel is never wrapped.
+//   - another execution holds the key: river.JobSnooze.
+//   - a stored permanent failure: a river.JobCancel wrapping it.
+//   - otherwise an error prefixed "pgidemriver: " wrapping pgidem's: [pgidem.ErrInvalidKey],
+//     [pgidem.ErrStoreUnavailable], [pgidem.ErrLeaseLost], or a context error
+//     (context.DeadlineExceeded when the reservation step exceeded [Config.SQLTimeout]).
 //
 // Cancelling ctx (River's job context) before the worker runs returns a context error and
 // leaves no reservation; while the worker runs it cancels the worker's context.
 //
-// When ctx shows that an outer pgidemriver Work already handles job (holds its
-// reservation, or skipped its excluded kind) — the middleware is registered twice,
-// globally and on the worker — Work calls doInner(ctx) directly and reports nothing: the
-// outer Work reports the outcome. Safe for concurrent use.
+// An outer pgidemriver Work may already handle job, when the middleware is registered
+// twice, globally and on the worker. ctx shows it: the outer Work holds the reservation or
+// skipped the excluded kind. Work then calls doInner(ctx) directly and reports nothing,
+// since the outer Work reports the outcome. Safe for concurrent use.
 func (m *Middleware) Work(ctx context.Context, job *rivertype.JobRow, doInner func(context.Context) error) error {
 	if id, ok := ctx.Value(handledJobKey{}).(int64); ok && id == job.ID {
 		return doInner(ctx)

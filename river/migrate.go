@@ -42,29 +42,32 @@ type MigrateOpts struct {
 const schemaMaxBytes = 63
 
 // MigrateRiver applies River's pending migrations (rivermigrate, the "main" line) through
-// pool, holding the session advisory lock [MigrateLockID] on a connection of its own for
-// the whole run, so concurrent callers — several deploys or replicas starting at once —
-// all succeed: one migrates, the others wait and then find nothing to do. River's
-// migrator takes no lock itself; two unguarded runs race and one fails with a unique
-// violation on river_migration or an "already exists" error (River v0.51).
+// pool. It holds the session advisory lock [MigrateLockID] on a connection of its own for
+// the whole run. So concurrent callers (several deploys or replicas starting at once) all
+// succeed: one migrates, the others wait and then find nothing to do. A missing
+// Opts.Schema is created first, under the lock, as pgidem's migrations.Up does; River's own
+// migrator would fail on it.
 //
-// The lock serialises every MigrateRiver call on the database, whatever its Schema: a
-// migration of one schema waits for a migration of another. It does not guard against
-// River's own CLI or rivermigrate used directly, which take no lock.
+// It returns the versions this call applied (none when River's schema is current). On
+// failure it returns an error prefixed "pgidemriver: MigrateRiver: " wrapping
+// rivermigrate's or the driver's. That is a context error when ctx ended, and an error
+// matching [pgidem.ErrInvalidArgument] for a nil pool or an invalid [MigrateOpts.Schema].
 //
-// The lock connection is acquired from pool (so the pool's BeforeConnect, AfterConnect and
-// PrepareConn hooks apply to it) and then taken out of the pool (pgxpool.Conn.Hijack) and
-// closed when MigrateRiver returns: the migrations themselves run on other pool
-// connections, so a pool of any size works, including MaxConns 1. Acquiring waits when
-// every pool connection is in use. Cancelling ctx stops the wait for a connection or for
-// the lock, or the migration in progress (each River migration runs in its own
-// transaction). It returns the versions this call applied (none when River's schema is
-// current) and, on failure, an error prefixed "pgidemriver: MigrateRiver: " wrapping
-// rivermigrate's or the driver's (a context error when ctx ended; an error matching
-// [pgidem.ErrInvalidArgument] for a nil pool or an invalid [MigrateOpts.Schema]). A missing Opts.Schema is created first,
-// under the lock (River's own migrator would fail on it), as pgidem's migrations.Up does.
-// Safe for concurrent use:
+// Cancelling ctx stops the wait for a connection or for the lock, or the migration in
+// progress (each River migration runs in its own transaction). Safe for concurrent use:
 // concurrent calls, in one process or many, are the case the lock exists for.
+//
+// River's migrator takes no lock itself. Two unguarded runs race, and one fails with a
+// unique violation on river_migration or an "already exists" error (River v0.51). The lock
+// serialises every MigrateRiver call on the database, whatever its Schema: a migration of
+// one schema waits for a migration of another. It does not guard against River's own CLI
+// or rivermigrate used directly, which take no lock.
+//
+// The lock connection is acquired from pool, so the pool's BeforeConnect, AfterConnect and
+// PrepareConn hooks apply to it. It is then taken out of the pool (pgxpool.Conn.Hijack)
+// and closed when MigrateRiver returns. The migrations themselves run on other pool
+// connections, so a pool of any size works, including MaxConns 1. Acquiring waits when
+// every pool connection is in use.
 func MigrateRiver(ctx context.Context, pool *pgxpool.Pool, opts *MigrateOpts) (*rivermigrate.MigrateResult, error) {
 	if pool == nil {
 		return nil, invalid("MigrateRiver: pool must not be nil")

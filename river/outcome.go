@@ -42,9 +42,9 @@ type Outcome struct {
 	Attempts int
 	// FailedOpen is true when the worker ran without a reservation: the store was
 	// unreachable and the coordinator fails open ([pgidem.Config.FailOpen]). No record
-	// exists; Action is [ActionExecuted] (the worker succeeded), [ActionReleased] (it
+	// exists. Action is [ActionExecuted] (the worker succeeded), [ActionReleased] (it
 	// failed) or [ActionCancelled] (it failed with a [pgidem.Permanent] error) as for a
-	// reserved run, but nothing was completed, released or stored: a later job with the
+	// reserved run. But nothing was completed, released or stored: a later job with the
 	// key runs the worker again.
 	FailedOpen bool
 	// Output is the JSON output the effect recorded with [RecordOutput] (the original run's

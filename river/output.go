@@ -30,20 +30,20 @@ func (s *outputSlot) get() json.RawMessage {
 }
 
 // RecordOutput records output as the job's output, like river.RecordOutput (it calls it),
-// and also stores it in the job's pgidem record, so that a replayed job — the same job
-// redelivered, or another job with the same key — records the same output without running.
+// and also stores it in the job's pgidem record. A replayed job then records the same
+// output without running: the same job redelivered, or another job with the same key.
 // Use it for the effect's receipt (a message id, a charge id). output must be
 // JSON-encodable; only the last call per execution counts. It must be called from within a
 // worker's Work; outside the middleware it behaves exactly like river.RecordOutput. It
 // returns an error (prefixed "pgidemriver: RecordOutput: ") when output cannot be encoded
 // or River rejects it (outside a worker, or above River's size limit).
 //
-// Output that JSON can encode but the pgidem record cannot store — a string with a NUL
+// Some output JSON can encode but the pgidem record cannot store: a string with a NUL
 // character, or more than [pgidem.Config.MaxValueBytes] of JSON
-// ([pgidem.ErrResultNotStorable]) — is not an error here: the effect has already run, so
-// the middleware completes the record without the output (the effect is never repeated
-// for its key), completes the job (River keeps the output it recorded in the job's
-// metadata), logs a warning and reports [Outcome.OutputNotStored]. Later replays of the
+// ([pgidem.ErrResultNotStorable]). That is not an error here, since the effect has already
+// run. The middleware completes the record without the output, so the effect is never
+// repeated for its key. It completes the job (River keeps the output it recorded in the
+// job's metadata), logs a warning and reports [Outcome.OutputNotStored]. Later replays of the
 // key complete without output. River's metadata is jsonb too, so it cannot hold a NUL
 // character either: keep receipts to valid UTF-8 without NUL. A string with invalid
 // UTF-8 is recorded by both as encoding/json writes it, with U+FFFD in place of each

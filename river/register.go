@@ -85,8 +85,8 @@ func (m *Middleware) Register(args ...river.JobArgs) {
 }
 
 // implementation returns args as an I, one of this package's interfaces (KeyArgs,
-// TTLArgs): the value itself or, for methods with pointer receivers, a pointer to a copy of
-// it (the middleware decodes args into a pointer, so both kinds of receiver work).
+// TTLArgs). That is the value itself or, for methods with pointer receivers, a pointer to a
+// copy of it. The middleware decodes args into a pointer, so both kinds of receiver work.
 func implementation[I any](args river.JobArgs) (I, bool) {
 	if v, ok := args.(I); ok {
 		return v, true

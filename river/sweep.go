@@ -113,9 +113,9 @@ func NewSweepWorker(coord *pgidem.Coordinator, config *SweepConfig) (*SweepWorke
 // Timeout returns [SweepConfig.Timeout]; River cancels the sweep's context after it.
 func (w *SweepWorker) Timeout(*river.Job[SweepArgs]) time.Duration { return w.config.Timeout }
 
-// Work sweeps until no expired row is left, or until the job's timeout: a sweep cut short
-// by its timeout returns nil (what it deleted stays deleted, the next period continues;
-// logged at info, or at warn when not one batch finished in time). A
+// Work sweeps until no expired row is left, or until the job's timeout. A sweep cut short
+// by its timeout returns nil: what it deleted stays deleted, and the next period
+// continues. It is logged at info, or at warn when not one batch finished in time. A
 // sweep whose job was cancelled (the client stopping with StopAndCancel) returns the
 // context's error, logged at info: River puts the job back. A database error is returned,
 // logged at error, and River retries the job.
@@ -179,9 +179,9 @@ type SweepPeriodicJobOpts struct {
 // between them); a failed sweep is harmless, since the next period's sweeps again.
 //
 // It returns an error matching [pgidem.ErrInvalidArgument] and naming the field when
-// Interval is negative or below one second:
-// River refuses a unique period that short when it inserts the job, so the leader would
-// log an error every period (continuously, for a negative interval) and never sweep.
+// Interval is negative or below one second. River refuses a unique period that short when
+// it inserts the job, so the leader would log an error every period (continuously, for a
+// negative interval) and never sweep.
 func NewSweepPeriodicJob(opts *SweepPeriodicJobOpts) (*river.PeriodicJob, error) {
 	if opts == nil {
 		opts = &SweepPeriodicJobOpts{}

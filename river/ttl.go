@@ -61,30 +61,24 @@ type TTLWarning struct {
 
 // CheckTTL compares the record TTL of every job kind registered with m ([AddWorker],
 // [Middleware.Register]) with its redelivery horizon under riverConfig, and logs a warning
-// for each kind whose TTL is shorter. The horizon is how long after the effect completed a
-// delivery of the same job can still come: the rescuer's delay for a job whose completion
-// River lost (riverConfig.RescueStuckJobsAfter, [TTLWarning.Rescue]), plus River's retry
-// schedule across the kind's MaxAttempts ([RetryHorizon], with riverConfig.RetryPolicy),
-// plus the longest time River then keeps the finished job, during which River's JobRetry
-// can run it again by hand: the discarded, completed and cancelled job retention periods.
-// It returns the warnings, sorted by kind; none means every registered kind is covered.
+// for each kind whose TTL is shorter. It returns the warnings, sorted by kind; none means
+// every registered kind is covered. It does not touch the database.
+//
+// The horizon is how long after the effect completed a delivery of the same job can still
+// come. It adds three parts:
+//   - the rescuer's delay for a job whose completion River lost
+//     (riverConfig.RescueStuckJobsAfter, [TTLWarning.Rescue]).
+//   - River's retry schedule across the kind's MaxAttempts ([RetryHorizon], with
+//     riverConfig.RetryPolicy).
+//   - the longest time River then keeps the finished job, during which River's JobRetry
+//     can run it again by hand: the discarded, completed and cancelled job retention
+//     periods.
 //
 // [NewClient] runs it when it creates the client. Otherwise call it with the river.Config
-// you pass to river.NewClient, before Client.Start: River v0.51 has no hook that runs when
-// a client starts and lists its registered workers (the Workers bundle is opaque, and
-// HookPeriodicJobsStart runs only on the leader), so the middleware cannot run the check
-// by itself. It does not touch the database.
-//
-// The horizon is deliberately conservative: it assumes the effect completed in the first
-// attempt, River lost that completion, and every later attempt failed. With River's
-// defaults (1 h to rescue, 25 attempts over about 3 weeks, 7 days of discarded retention)
-// it is about a month, longer than [TTLDefault]: give effect jobs fewer attempts (with
-// RescueStuckJobsAfter above their longest run: on the last attempt River's rescuer
-// discards a job still running, see the package docs), a longer TTL ([TTLArgs],
-// [Config.TTL]), or shorter retention periods. Even one attempt, with River's default
-// retention of discarded jobs (7 days, during which one can be retried by hand), needs a
-// TTL above 169 h (1 h to rescue plus 7 days). A worker that overrides NextRetry is not
-// seen. Safe for concurrent use, also with [Middleware.Register].
+// you pass to river.NewClient, before Client.Start; River has no hook that would let the
+// middleware run it by itself. "TTL horizon" in the package documentation says how to
+// choose TTLs. A worker that overrides NextRetry is not seen. Safe for concurrent use,
+// also with [Middleware.Register].
 func (m *Middleware) CheckTTL(ctx context.Context, riverConfig *river.Config) []TTLWarning {
 	if riverConfig == nil {
 		riverConfig = &river.Config{}

@@ -31,103 +31,52 @@ func WorkTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 }
 
 // WorkTxResult runs a job's database effect and its completion in the caller's
-// transaction tx and reports how the value was obtained. Call it from a River worker's
-// Work with the job River passed in; commit tx when [ShouldCommit] says so (nil, or a
-// river.JobCancel error: River will not run the job again), otherwise roll tx back.
-// Return its error from Work as is. (After an error fn's writes are always undone, so a
-// commit after a cancel keeps the stored failure, when there is one, and the caller's own
-// writes before WorkTx.)
-//
-//	func (w *ShipWorker) Work(ctx context.Context, job *river.Job[ShipArgs]) error {
-//		tx, err := w.db.Begin(ctx) // a *pgxpool.Pool; in tests, rivertest's transaction
-//		if err != nil {
-//			return err
-//		}
-//		defer tx.Rollback(ctx)
-//		_, err = pgidemriver.WorkTx(ctx, w.coord, tx, job, "shipments", job.Args.OrderRef(), 7*24*time.Hour, nil,
-//			func(ctx context.Context, tx pgx.Tx) (int64, error) { return insertShipment(ctx, tx, job.Args) })
-//		if !pgidemriver.ShouldCommit(err) {
-//			return err
-//		}
-//		if cerr := tx.Commit(ctx); cerr != nil {
-//			return cerr
-//		}
-//		return err
-//	}
-//
-// [WorkInTx] is this with the transaction begun and ended for you.
-//
-// Business rows, the pgidem record and the job's completed state commit together or not at
-// all. River completes jobs asynchronously in batches after Work returns; a process that
-// dies in between gets the job again — here the completion commits with the effect, so
-// that redelivery cannot happen, and a crash anywhere before the commit leaves none of the
-// three (the retry runs fn again). A redelivery that does reach a committed key (the
-// rescuer's duplicate, a second job for the same effect) replays the stored value, without
-// running fn, and completes its own job in the same way.
-//
-// Because the transaction is the caller's, a worker can be tested with River's
-// rivertest.Worker: begin tx from (or as a savepoint of) the test's transaction, and the
-// job, the rows and the record all roll back with it.
-//
-// namespace, key, ttl and opts follow [pgidem.DoTxResult]: an invalid key or TTL returns
-// its error and nothing runs. tx must be on the coordinator's database and under READ
-// COMMITTED (see DoTxResult). The key must differ from the one the [Middleware] reserved
-// for the same job — DoTx would find that reservation in progress — so exclude the kind
-// from the middleware ([Config.ExcludeKinds]) or use another namespace; the same key
-// returns an error matching [pgidem.ErrInvalidArgument] at once (River retries the job).
+// transaction tx and reports how the value was obtained. It runs fn under (namespace, key)
+// with [pgidem.DoTxResult], then marks the job completed in tx with river.JobCompleteTx.
+// Call it from a River worker's Work with the job River passed in. Commit tx when
+// [ShouldCommit] says so, otherwise roll it back, and return its error from Work as is.
+// The package documentation has an example and the guarantees ("Database effects:
+// WorkTx"). [WorkInTx] is this with the transaction begun and ended for you.
 //
 // Errors (tx holds nothing to keep unless noted):
+//   - an invalid key or TTL, as for [pgidem.DoTxResult]; a nil coordinator, tx or job, or
+//     the key the [Middleware] holds for the job: [pgidem.ErrInvalidArgument]. fn does not run.
 //   - fn's error, unchanged: fn's writes are undone and River retries the job (unless it
 //     is fn's own river.JobSnooze or river.JobCancel, which River honours).
-//   - a replayed result that does not decode into T: an error matching
-//     [pgidem.ErrReplayNotDecodable]; River retries (a deploy that restores the type
-//     lets the job replay).
-//   - another transaction holds the key (after the wait of [pgidem.InFlightWait], or at
-//     once under [pgidem.InFlightRaise]): river.JobSnooze with the retry-after hint
-//     clamped to [SnoozeMinDefault] and [SnoozeMaxDefault], which uses no attempt; the next
-//     delivery replays.
-//   - a [pgidem.Permanent] error from fn (whatever else its chain wraps, pgidem sentinels
-//     included): the failure is written in tx (fn's writes are undone) and
-//     river.JobCancel wrapping it is returned, matching pgidem.ErrPermanent:
-//     commit tx to keep the failure, and River stops; later jobs with the key replay the
-//     failure and are cancelled too. (A replayed stored failure, or one that could not be
-//     stored, is returned the same way; committing then writes nothing.) An error of fn's
-//     that matches ErrPermanent only through a failure a nested pgidem call replayed
-//     carries no Permanent error: it is an ordinary error of fn's, as above.
-//   - the job is no longer running when WorkTx completes it (River's rescuer made it
-//     retryable or discarded it meanwhile, or a parallel execution of it snoozed it;
-//     river.JobCompleteTx then changes nothing): an error matching [ErrJobNotRunning].
-//     (A job cancelled with River's JobCancel while it runs has its context cancelled
-//     instead, and WorkTx returns the context's error.)
-//     Roll back, or the effect commits without the completion; wherever River runs the
-//     job next, the effect runs there. A discarded job (the rescuer, on its last attempt)
-//     is not run again, and River drops this error: WorkTx logs it at error on the
-//     coordinator's logger.
-//   - a database error: a [*pgidem.StoreError]; a failed job completion: an error prefixed
-//     "pgidemriver: ". River retries.
-//   - a nil coordinator, tx or job: an error matching [pgidem.ErrInvalidArgument], and
-//     nothing runs.
+//   - a replayed result that does not decode into T: [pgidem.ErrReplayNotDecodable];
+//     River retries, and a deploy that restores the type lets the job replay.
+//   - the key held by another transaction: river.JobSnooze (no attempt used), the
+//     retry-after clamped to [SnoozeMinDefault] and [SnoozeMaxDefault].
+//   - a [pgidem.Permanent] error in fn's chain: the failure is written in tx and a
+//     river.JobCancel wrapping it returned; commit tx, and River stops. Later jobs with the
+//     key, and failures replayed or not stored, return the same with nothing to write.
+//   - the job no longer running at completion: [ErrJobNotRunning]; roll back (see "WorkTx
+//     and a job no longer running" in the package documentation).
+//   - a database error: a [*pgidem.StoreError]; a failed completion: an error prefixed
+//     "pgidemriver: ". River retries. Cancelling ctx returns ctx's error.
 //
-// Cancelling ctx makes WorkTx return ctx's error (pgx may then close tx's connection).
-// Safe for concurrent use on different transactions; a pgx.Tx itself is not.
+// tx must be on the coordinator's database and under READ COMMITTED. Because tx is the
+// caller's, rivertest.Worker can test the worker: the job, rows and record roll back with
+// the test's transaction. Safe for concurrent use on different transactions; a pgx.Tx
+// itself is not.
 func WorkTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, tx pgx.Tx, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (pgidem.Result[T], error) {
 	res, _, err := workTx(ctx, c, tx, job, namespace, key, ttl, opts, fn)
 	return res, err
 }
 
 // ShouldCommit reports whether a worker commits the transaction it gave [WorkTx] or
-// [WorkTxResult] after they returned err: true for nil, and for an error wrapping a
-// river.JobCancelError (a permanent failure written in the transaction or replayed, or fn's
-// own cancel), since River will not run the job again and the transaction holds what
-// should stay (the job's completion, the stored failure, the worker's own writes). False
-// for any other error: roll back, and River runs the job again. Safe for concurrent use.
+// [WorkTxResult] after they returned err. It is true for nil, and for an error wrapping a
+// river.JobCancelError: a permanent failure written in the transaction or replayed, or fn's
+// own cancel. River will not run that job again, and the transaction holds what should
+// stay (the job's completion, the stored failure, the worker's own writes). False for any
+// other error: roll back, and River runs the job again. Safe for concurrent use.
 func ShouldCommit(err error) bool {
 	return err == nil || errors.As(err, new(*river.JobCancelError))
 }
 
-// workTx is WorkTxResult; freshFailure reports that fn's permanent failure was written in
-// tx just now (so committing tx keeps it), told from a replayed one and one that could not
-// be stored by pgidem's outcome, never by what fn's error may wrap.
+// workTx is WorkTxResult. freshFailure reports that fn's permanent failure was written in
+// tx just now, so committing tx keeps it. It is told from a replayed one, and from one that
+// could not be stored, by pgidem's outcome, never by what fn's error may wrap.
 func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, tx pgx.Tx, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (res pgidem.Result[T], freshFailure bool, err error) {
 	if c == nil || tx == nil || job == nil {
 		return res, false, invalid("WorkTx: coordinator, transaction and job must not be nil")
@@ -156,8 +105,8 @@ func workTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinat
 		// keep the effect without the completion.
 		if !runsAgain(completed.State) {
 			// Discarded (the rescuer, on the last attempt) or cancelled: River runs it no
-			// more and drops this error, so only the log can tell that its effect is
-			// rolled back and will not run unless the job is retried by hand.
+			// more and drops this error. Only the log can tell that its effect is rolled
+			// back and will not run unless the job is retried by hand.
 			c.Config().Logger.ErrorContext(ctx, "pgidemriver: WorkTx: job is no longer running and will not run again; its effect is rolled back",
 				slog.Int64("job_id", job.ID), slog.String("job_kind", job.Kind), slog.String("state", string(completed.State)),
 				slog.String("namespace", namespace), slog.String("key", key))
@@ -245,22 +194,20 @@ func WorkInTx[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordin
 	return res.Value, err
 }
 
-// WorkInTxResult is [WorkTxResult] in a transaction of its own, begun on the coordinator's
-// pool (READ COMMITTED, and READ WRITE even where the pool's sessions default to read-only
-// transactions) and committed when WorkTxResult returns nil or a fresh
-// [pgidem.Permanent] failure (so the stored failure is kept; the river.JobCancel error is
-// still returned); on any other error it is rolled back, so nothing of fn's survives.
+// WorkInTxResult is [WorkTxResult] in a transaction of its own. The transaction is begun on
+// the coordinator's pool: READ COMMITTED, and READ WRITE even where the pool's sessions
+// default to read-only transactions. It is committed when WorkTxResult returns nil or a
+// fresh [pgidem.Permanent] failure; the stored failure is kept and the river.JobCancel
+// error still returned. On any other error it is rolled back, so nothing of fn's survives.
 // Call it from a River worker's Work and return its error as is.
 //
-// Its errors are WorkTxResult's, and: a failed begin or commit returns an error prefixed
-// "pgidemriver: " (River retries; a connection lost during COMMIT leaves it uncertain
-// whether it committed — if it did, the retry replays).
+// Its errors are WorkTxResult's, and a failed begin or commit returns an error prefixed
+// "pgidemriver: " (River retries). A connection lost during COMMIT leaves it uncertain
+// whether it committed; if it did, the retry replays.
 //
-// Because the transaction is not the caller's, a worker that uses WorkInTx cannot be
-// worked by rivertest.Worker, whose job lives in the test's uncommitted transaction: its
-// transaction does not see the job, so river.JobCompleteTx panics (rivertest reports a
-// PanicError) — and a permanent failure of fn, which never reaches the completion, is
-// committed on the pool and outlives the test's rollback. Use [WorkTx] there.
+// rivertest.Worker cannot work a worker that uses WorkInTx: its own transaction does not
+// see the job in the test's uncommitted transaction (see "Testing workers" in the package
+// documentation). Use [WorkTx] there.
 //
 // Cancelling ctx aborts the transaction. Safe for concurrent use.
 func WorkInTxResult[TArgs river.JobArgs, T any](ctx context.Context, c *pgidem.Coordinator, job *river.Job[TArgs], namespace, key string, ttl time.Duration, opts *pgidem.DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (pgidem.Result[T], error) {

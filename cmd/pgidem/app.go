@@ -68,9 +68,10 @@ func interruptedf(format string, args ...any) *interruptedError {
 }
 
 // outWriter is standard output as the commands see it. It remembers the first failed write
-// and refuses every later one, so a command cannot lose its output without a word: run
+// and refuses every later one, so a command cannot lose its output without a word. run
 // reports the failure ("write output: …", exit 1) once the command is done, whichever
-// command wrote (cobra's help included), and says whether the command itself succeeded. A
+// command wrote (cobra's help included). It also says whether the command itself
+// succeeded. A
 // closed pipe never gets here: the Go runtime ends the process with SIGPIPE on a write to
 // a broken pipe on standard output, as other Unix commands end.
 type outWriter struct {
@@ -157,8 +158,8 @@ func oneLine(s string) string {
 func (a *app) action(fn func(cmd *cobra.Command, args []string) error) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, args []string) error {
 		// An explicitly empty value (a misspelled or unset shell variable) must not fall back
-		// to the default: for --database-url that is another database (DATABASE_URL, PG*),
-		// for --schema the search_path's schema, where forget, sweep and migrate down would
+		// to the default. For --database-url that is another database (DATABASE_URL, PG*);
+		// for --schema it is the search_path's schema. Forget, sweep and migrate down would
 		// then change the wrong data.
 		if err := checkNotEmptyFlag(cmd, "database-url", strings.TrimSpace(a.databaseURL), "to use DATABASE_URL, else libpq's PG* variables"); err != nil {
 			return err
@@ -205,9 +206,10 @@ func checkText(name, value string) error {
 	return nil
 }
 
-// checkKeyPart returns a usage error when value, the namespace, key, consumer or message id
-// called name, cannot be in a row: it is empty (the columns refuse it), or it has a NUL byte
-// or invalid UTF-8, which Postgres text cannot hold (see checkText). A control character
+// checkKeyPart returns a usage error when value cannot be in a row. value is the namespace,
+// key, consumer or message id called name. It cannot be in a row when it is empty (the
+// columns refuse it), or has a NUL byte or invalid UTF-8, which Postgres text cannot hold
+// (see checkText). A control character
 // (tab, newline, …) is accepted: the library never stores one (pgidem.ErrInvalidKey), but
 // rows inserted with SQL can have one, and the tables show it quoted ("order\t9") so that
 // show and forget can be given it. The library's length limits are not checked either: they

@@ -25,7 +25,7 @@ import (
 const connectTimeoutDefault = 10 * time.Second
 
 // interruptGrace is how long, after an interrupt (SIGINT, SIGTERM), a statement in flight
-// waits for the server's answer to the cancel request the CLI sends: the answer says
+// waits for the server's answer to the cancel request the CLI sends. The answer says
 // whether the statement was cancelled (nothing changed) or had completed, so forget and
 // sweep can tell what they did. Past it the connection is dropped, and the outcome is
 // unknown.
@@ -36,9 +36,9 @@ const interruptGrace = 3 * time.Second
 const interruptCloseWait = time.Second
 
 // closePool closes pool. Once ctx has ended (an interrupt) it waits at most
-// interruptCloseWait for that: a connection whose server did not answer the cancel request
-// within interruptGrace is closed by pgconn in the background, which waits up to 15 s for
-// the server, and pool.Close waits for it; the message and the exit would come that much
+// interruptCloseWait for that. pgconn closes a connection whose server did not answer the
+// cancel request within interruptGrace in the background, waiting up to 15 s for the
+// server. pool.Close waits for it, so the message and the exit would come that much
 // later. The process exits soon after closePool returns, and the kernel then closes what
 // is left of the connections.
 func closePool(ctx context.Context, pool *pgxpool.Pool) {
@@ -104,8 +104,8 @@ func (a *app) poolConfig() (*pgxpool.Config, string, error) {
 		cfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{a.schema}.Sanitize()
 	}
 	// goose's version table records when a migration was applied as a timestamp without
-	// time zone, written with now() in the session time zone and read back by pgx as UTC:
-	// only a UTC session makes migrate status right, so a timezone in the connection string
+	// time zone, written with now() in the session time zone and read back by pgx as UTC.
+	// Only a UTC session makes migrate status right, so a timezone in the connection string
 	// is overridden. Everything else the CLI reads is timestamptz, which any zone reads the
 	// same.
 	for name := range cfg.ConnConfig.RuntimeParams {
@@ -180,9 +180,10 @@ func connectError(ctx context.Context, cfg *pgx.ConnConfig, source string, err e
 		}
 	}
 	// No password to mask: pgconn's connect errors name the host, user and database, and the
-	// server's messages do not echo a password (a URL with an upper-case scheme, which pgx
-	// would parse as settings the server echoes, is refused before connecting). Replacing the password's text wherever it
-	// occurs would garble the message when the password is short or a common word.
+	// server's messages do not echo a password. A URL with an upper-case scheme, which pgx
+	// would parse as settings the server echoes, is refused before connecting. Replacing
+	// the password's text wherever it occurs would garble the message when the password is
+	// short or a common word.
 	msg := strings.Join(parts, "; ")
 	return fmt.Errorf("pgidem: cannot connect to Postgres at %s (database %q, user %q, from %s): %s",
 		describeAddress(&cfg.Config), cmp.Or(cfg.Database, cfg.User), cfg.User, source, msg)

@@ -10,14 +10,14 @@
 //
 // # Commands
 //
-//	pgidem migrate up|down|status|version   pgidem's schema (own version table and lock);
-//	                                        up --river also migrates River under a lock
-//	pgidem records list                     records, filtered by namespace, status, attempts, expiry
-//	pgidem records show NAMESPACE KEY       one record in full
-//	pgidem records forget NAMESPACE KEY     delete a record so its effect can run again
-//	pgidem inbox list|show|forget           inbox rows: the messages a consumer handled
-//	pgidem sweep                            delete expired records and inbox rows (cron, without River)
-//	pgidem stats                            per-namespace counts, stuck and taken-over records, size
+//	pgidem migrate up|down|status|version   pgidem's schema (own version table and lock).
+//	                                        up --river also migrates River under a lock.
+//	pgidem records list                     Records, filtered by namespace, status, attempts, expiry.
+//	pgidem records show NAMESPACE KEY       One record in full.
+//	pgidem records forget NAMESPACE KEY     Delete a record so its effect can run again.
+//	pgidem inbox list|show|forget           Inbox rows: the messages a consumer handled.
+//	pgidem sweep                            Delete expired records and inbox rows (cron, without River).
+//	pgidem stats                            Per-namespace counts, stuck and taken-over records, size.
 //
 // # Connection
 //
@@ -40,16 +40,21 @@
 // Results go to standard output as aligned tables, or as JSON with --json (<, > and &
 // written as they are). In tables a namespace, key, consumer or message id with white
 // space, a quote or a character that does not print (and "" and "-") is quoted in Go
-// syntax, so "order-9 " and "order-9" differ; show and forget take it unquoted (a key
+// syntax. So "order-9 " and "order-9" differ; show and forget take it unquoted. A key
 // with a control character, which only SQL can store, is shown as "order\t9": pass it in
-// bash as $'order\t9'). Errors go to standard error as one line starting with "pgidem: ".
-// The exit code is 0 on success, 1 when the command failed (including an unreachable or
-// unparsable database address, a missing record, or a refused forget) or its output could
-// not be written (a full disk, say: the message then says whether the command itself
-// succeeded), and 2 for a usage error: an unknown command or flag, a malformed or empty
-// flag value, or wrong arguments (an empty namespace or key, or one that is not valid
-// UTF-8, which no row can hold). Like other Unix commands, pgidem writing to a closed pipe
-// (pgidem records list | head -1) is ended by SIGPIPE (exit status 141 in the shell).
+// bash as $'order\t9'. Errors go to standard error as one line starting with "pgidem: ".
+//
+// The exit code is:
+//   - 0 on success.
+//   - 1 when the command failed, including an unreachable or unparsable database address,
+//     a missing record, or a refused forget. Also 1 when its output could not be written
+//     (a full disk, say); the message then says whether the command itself succeeded.
+//   - 2 for a usage error: an unknown command or flag, a malformed or empty flag value, or
+//     wrong arguments. Wrong arguments are an empty namespace or key, or one that is not
+//     valid UTF-8, which no row can hold.
+//
+// Like other Unix commands, pgidem writing to a closed pipe (pgidem records list | head -1)
+// is ended by SIGPIPE (exit status 141 in the shell).
 //
 // # Interrupts
 //

@@ -488,9 +488,10 @@ func (a *app) versions(ctx context.Context, db *sql.DB) (current, latest int64, 
 	return current, latest, nil
 }
 
-// otherInstalls returns, when no --schema was given and pgidem is not installed where the
-// connection points, the other schemas of the database where it is installed; else none
-// (with --schema the operator chose the schema: a fresh one is not a mistake).
+// otherInstalls returns the other schemas of the database where pgidem is installed, when
+// no --schema was given and pgidem is not installed where the connection points. Else it
+// returns none: with --schema the operator chose the schema, and a fresh one is not a
+// mistake.
 func (a *app) otherInstalls(ctx context.Context, db *sql.DB) ([]string, error) {
 	if a.schema != "" {
 		return nil, nil
@@ -521,7 +522,7 @@ func newerNote(latest int64) string {
 const lockNoteDelay = 2 * time.Second
 
 // noteLockWait watches a migration about to run for a wait on pgidem's migration lock,
-// which it would otherwise wait for (up to about five minutes) without a word: when
+// which it would otherwise wait for (up to about five minutes) without a word. When
 // another run holds the lock now and still holds it lockNoteDelay later, the migration
 // is waiting for it, and a note on stderr names the holder. Call the returned
 // function once the migration has returned: it stops the watch.
@@ -579,8 +580,8 @@ func installedAnew(results []*goose.MigrationResult) bool {
 }
 
 // requireSchema returns, for a migrate command other than up (op), an error when --schema
-// names a schema that does not exist, saying where pgidem is installed, as the other
-// commands do (the migrations package, which would refuse it too, cannot look).
+// names a schema that does not exist. The error says where pgidem is installed, as the
+// other commands do; the migrations package, which would refuse it too, cannot look.
 func (a *app) requireSchema(ctx context.Context, op string) error {
 	if a.schema == "" {
 		return nil

@@ -76,9 +76,10 @@ func quoteName(s string) string {
 	return s
 }
 
-// commandLine returns a pgidem command line a user can paste into a POSIX shell: each
-// argument quoted as the shell needs it (shellescape's single quotes), and "--" before the
-// positional arguments, so that a key starting with '-' is not taken for a flag. An
+// commandLine returns a pgidem command line a user can paste into a POSIX shell. Each
+// argument is quoted as the shell needs it (shellescape's single quotes). "--" comes
+// before the positional arguments, so that a key starting with '-' is not taken for a
+// flag. An
 // argument with a character that does not print, or invalid UTF-8, is written in bash's
 // and zsh's $'…' form, whose escapes are Go's, so that it shows and pastes exactly.
 func commandLine(flagsAndCommand []string, positional ...string) string {

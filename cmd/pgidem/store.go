@@ -146,9 +146,9 @@ func describeDatabase(cc *pgconn.Config) string {
 }
 
 // missingSchema returns an actionable error when --schema names a schema that does not
-// exist (schema names are case-sensitive: IDEM is not idem), naming the schemas where
-// pgidem is installed, and nil when it exists, when no --schema was given, or when it
-// cannot tell.
+// exist (schema names are case-sensitive: IDEM is not idem). The error names the schemas
+// where pgidem is installed. It returns nil when the schema exists, when no --schema was
+// given, or when it cannot tell.
 func (s *store) missingSchema(ctx context.Context, op string) error {
 	if s.schema == "" {
 		return nil
@@ -219,7 +219,7 @@ func (s *store) acquireToDelete(ctx context.Context, op string) (*pgxpool.Conn, 
 // interruptedDelete returns the error of a delete (op, one statement) that failed after an
 // interrupt, saying what is known of it, or nil when ctx has not ended. The CLI's
 // connections ask the server to cancel the statement and wait for its answer (see
-// interruptGrace): a cancelled statement, like one never sent, deleted nothing; without an
+// interruptGrace). A cancelled statement, like one never sent, deleted nothing. Without an
 // answer the outcome is unknown, and check says how to find it out. pgconn reports a
 // statement the server did not answer in time as a bare context.Canceled, as the pool
 // reports an interrupted Acquire: the delete's connection is therefore acquired apart

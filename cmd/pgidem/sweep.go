@@ -101,9 +101,9 @@ may have been deleted), and the message says so. Sweeping again is harmless.`,
 	return cmd
 }
 
-// sweepError interprets the error of a sweep that was not interrupted: a database without
-// the inbox table (noInbox, named by inboxName) had its records swept, which is no error;
-// a missing record table gets the other commands' message, and a database error their
+// sweepError interprets the error of a sweep that was not interrupted. A database without
+// the inbox table (noInbox, named by inboxName) had its records swept, which is no error.
+// A missing record table gets the other commands' message, and a database error their
 // wording.
 func (a *app) sweepError(ctx context.Context, pool *pgxpool.Pool, err error) (noInbox bool, inboxName string, _ error) {
 	if err == nil {

@@ -146,13 +146,15 @@ func KeyFromContext(ctx context.Context) (namespace, key string, ok bool) {
 
 // checkNotHeld refuses a call for (namespace, key) of the schema's records (or, with
 // inbox, for the consumer's message) made from within the fn of a call that holds that
-// same key, directly or through calls for other keys in between (A's fn calls B, whose
-// fn calls A): the inner call would wait for the outer one, which waits for it, or (DoTx
-// in the same transaction, whose lock is re-entrant) find no record yet and run fn again
-// and again. Only coordinators known to use different schemas (both named, and
-// different) are taken to hold different records: "" is the search_path's schema, which
-// may be any named one, and coordinators on different databases are not told apart, so
-// the guard refuses rather than risk a call waiting for itself.
+// same key. That may be directly or through calls for other keys in between (A's fn calls
+// B, whose fn calls A). The inner call would wait for the outer one, which waits for it.
+// Or, as DoTx in the same transaction (whose lock is re-entrant), it would find no record
+// yet and run fn again and again.
+//
+// Only coordinators known to use different schemas (both named, and different) are taken
+// to hold different records. "" is the search_path's schema, which may be any named one.
+// Coordinators on different databases are not told apart. So the guard refuses rather
+// than risk a call waiting for itself.
 func checkNotHeld(ctx context.Context, op, schema, namespace, key string, inbox bool) error {
 	info, _ := ctx.Value(keyContextKey{}).(*keyInfo)
 	for ; info != nil; info = info.outer {

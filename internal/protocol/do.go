@@ -67,9 +67,9 @@ func (c *Engine) Do(ctx context.Context, cl *Call, fn func(context.Context) erro
 	rep.Waited, rep.TookOver = acq.waited, acq.tookOver
 	if err != nil {
 		// Fail open only when no connection to the store could be made, so no reservation
-		// can exist: once the store answered (a live holder, an uncommitted DoTx record)
-		// running fn could run it beside another holder; a statement cut off mid-way may
-		// have reserved the key; and a server that answered with an error (a missing
+		// can exist. Once the store answered (a live holder, an uncommitted DoTx record),
+		// running fn could run it beside another holder. A statement cut off mid-way may
+		// have reserved the key. And a server that answered with an error (a missing
 		// table, a wrong schema) is a misconfiguration that must not silently turn
 		// deduplication off.
 		if c.config.FailOpen && store.IsConnectError(err) && !acq.answered && ctx.Err() == nil {

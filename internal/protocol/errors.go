@@ -46,13 +46,13 @@ var (
 	ErrPermanent = errors.New("pgidem: permanent failure")
 
 	// ErrResultNotStorable means fn succeeded but its value could not be stored as JSON
-	// for the record and replayed as it was: it cannot be encoded (a channel, a function,
-	// NaN), it holds a string with a NUL character or invalid UTF-8, it is larger than
-	// [Config.MaxValueBytes] or nested deeper than encoding/json decodes (10000 levels), or
-	// Postgres refused the JSON (jsonb rejects an unpaired surrogate, a number beyond
-	// numeric's range). The record is completed without a result, so the effect is not
-	// repeated; replays return this error. (In [DoTx] fn's writes are rolled back instead
-	// and nothing is recorded.)
+	// for the record and replayed as it was. It cannot be encoded (a channel, a function,
+	// NaN); it holds a string with a NUL character or invalid UTF-8; it is larger than
+	// [Config.MaxValueBytes] or nested deeper than encoding/json decodes (10000 levels). Or
+	// Postgres refused the JSON: jsonb rejects an unpaired surrogate, a number beyond
+	// numeric's range. The record is completed without a result, so the effect is not
+	// repeated; replays return this error. In [DoTx] fn's writes are rolled back instead
+	// and nothing is recorded.
 	ErrResultNotStorable = errors.New("pgidem: result not storable")
 
 	// ErrReplayNotDecodable means a completed record's stored result does not decode into
@@ -67,15 +67,18 @@ var (
 	ErrNotFound = errors.New("pgidem: record not found")
 
 	// ErrInvalidArgument means a setting or argument other than the key and the TTL is
-	// invalid: a [Config] field out of range ([NewCoordinator]), a nil coordinator (given
-	// to [Do], [DoTx] or [DoInTx]; a method called on a nil *Engine panics), pool,
-	// transaction or fn (including [Engine.InboxHandle]'s fn and
-	// [Engine.InboxRecordTx]'s transaction), a [DoOpts] field other than Lease (an
-	// [*InvalidTTLError]) or a [SweepOpts] field out of range, a read-only or already
-	// aborted transaction given to [DoTx] (which must write the record), an aborted or
-	// already ended transaction given to [Engine.InboxRecordTx], or a call for a key (an inbox message,
-	// for [Engine.InboxHandle]) from within the fn of a call that holds it. The error's message names the field (or, for a held
-	// key, the key). fn is not run.
+	// invalid. fn is not run. The error's message names the field (or, for a held key, the
+	// key). It covers:
+	//   - a [Config] field out of range ([NewCoordinator]).
+	//   - a nil coordinator (given to [Do], [DoTx] or [DoInTx]; a method called on a nil
+	//     *Engine panics), pool, transaction or fn. That includes [Engine.InboxHandle]'s fn
+	//     and [Engine.InboxRecordTx]'s transaction.
+	//   - a [DoOpts] field other than Lease (an [*InvalidTTLError]), or a [SweepOpts] field
+	//     out of range.
+	//   - a read-only or already aborted transaction given to [DoTx], which must write the
+	//     record; an aborted or already ended one given to [Engine.InboxRecordTx].
+	//   - a call for a key (an inbox message, for [Engine.InboxHandle]) from within the fn
+	//     of a call that holds it.
 	ErrInvalidArgument = errors.New("pgidem: invalid argument")
 )
 
@@ -179,7 +182,7 @@ func (e *FingerprintMismatchError) Error() string {
 func (e *FingerprintMismatchError) Is(target error) bool { return target == ErrFingerprintMismatch }
 
 // abortedByFn returns the error for a fn that returned nil although one of its statements
-// in the transaction pgidem gave it had failed: the server then aborts the transaction, so
+// in the transaction pgidem gave it had failed. The server then aborts the transaction, so
 // pgidem's next statement is refused (in_failed_sql_transaction, 25P02) or the commit
 // rolls back (pgx.ErrTxCommitRollback). The mistake is fn's, not the store's: it is not a
 // *store.Error, and it is neither logged nor counted. nil when err is not such a refusal.
@@ -192,12 +195,14 @@ func abortedByFn(op string, err error) error {
 }
 
 // commitRefused returns the error for a failed commit of a transaction pgidem began and gave
-// fn (InboxHandle, DoInTx) when the failure is fn's doing rather than the store's: fn
-// returned nil after one of its statements failed ([abortedByFn]); fn ended the
-// transaction itself (pgx.ErrTxClosed; it matches [ErrInvalidArgument]); or the server
-// refused the commit for a deferred constraint fn's writes broke (class 23), which it
-// would refuse again on every delivery. None is a *store.Error: each is neither logged nor
-// counted, and a caller that retries store errors does not loop on it. nil otherwise.
+// fn (InboxHandle, DoInTx) when the failure is fn's doing rather than the store's:
+//   - fn returned nil after one of its statements failed ([abortedByFn]).
+//   - fn ended the transaction itself (pgx.ErrTxClosed; it matches [ErrInvalidArgument]).
+//   - the server refused the commit for a deferred constraint fn's writes broke (class
+//     23), which it would refuse again on every delivery.
+//
+// None is a *store.Error: each is neither logged nor counted, and a caller that retries
+// store errors does not loop on it. nil otherwise.
 func commitRefused(op string, err error) error {
 	if abortErr := abortedByFn(op, err); abortErr != nil {
 		return abortErr
@@ -294,12 +299,11 @@ func (e *PermanentError) Unwrap() error {
 func (e *PermanentError) Is(target error) bool { return target == ErrPermanent }
 
 // FailureNotStoredError is returned by [Do], [DoResult], [DoTx], [DoTxResult], [DoInTx]
-// and [DoInTxResult] when fn returned a
-// [Permanent] error that could not be stored: nothing will be replayed, and a later call
-// runs fn again (Do: once the lease ends; DoTx: at once). It is always the call's
-// top-level error, never wrapped, so a type assertion (err.(*FailureNotStoredError))
-// tells pgidem's verdict apart from one fn's own error may carry from a nested call;
-// errors.Is and errors.As reach both Err and Cause.
+// and [DoInTxResult] when fn returned a [Permanent] error that could not be stored.
+// Nothing will be replayed, and a later call runs fn again (Do: once the lease ends; DoTx:
+// at once). It is always the call's top-level error, never wrapped. So a type assertion
+// (err.(*FailureNotStoredError)) tells pgidem's verdict apart from one fn's own error may
+// carry from a nested call. errors.Is and errors.As reach both Err and Cause.
 type FailureNotStoredError struct {
 	// Err is fn's error, unchanged (it matches [ErrPermanent]).
 	Err error
@@ -322,10 +326,10 @@ func (e *FailureNotStoredError) Unwrap() []error { return []error{e.Err, e.Cause
 type StoredFailureError struct {
 	// Namespace and Key identify the record.
 	Namespace, Key string
-	// Message is the message of the error given to [Permanent] (without whatever fn
-	// wrapped around it, which the first call's error still shows), as stored: a NUL character is written as
-	// the two characters \0 (jsonb cannot hold one) and a message over 64 KiB is cut at a
-	// character boundary and ends in " … (truncated)".
+	// Message is the message of the error given to [Permanent], as stored. It is without
+	// whatever fn wrapped around it, which the first call's error still shows. A NUL
+	// character is written as the two characters \0 (jsonb cannot hold one). A message
+	// over 64 KiB is cut at a character boundary and ends in " … (truncated)".
 	Message string
 	// NotStorable is true when the stored failure is an unencodable result rather than an
 	// error from fn.

@@ -4,10 +4,10 @@ package protocol
 type EventKind string
 
 // Event kinds. A call reports at most one of Executed, Replayed, Parked, InProgress,
-// InvalidKey, FingerprintMismatch or StoreError as its outcome (a cancelled caller reports none), plus
-// Waited, TakenOver, LeaseLost or FailOpen when those happened along the way (FailOpen
-// follows the StoreError that caused it; a failed heartbeat or finishing write reports a
-// StoreError after Executed). Sweep reports Swept; the inbox reports EventInboxRecorded or
+// InvalidKey, FingerprintMismatch or StoreError as its outcome; a cancelled caller reports none. It
+// also reports Waited, TakenOver, LeaseLost or FailOpen when those happened along the way.
+// FailOpen follows the StoreError that caused it; a failed heartbeat or finishing write
+// reports a StoreError after Executed. Sweep reports Swept; the inbox reports EventInboxRecorded or
 // EventInboxDuplicate. A DoTx that yields to a concurrent Do reservation after running fn
 // can report Executed and then the outcome of its retry.
 const (
@@ -31,10 +31,11 @@ const (
 	EventParked EventKind = "parked"
 	// EventStoreError: a database error was returned or logged.
 	EventStoreError EventKind = "store_error"
-	// EventInvalidKey: the call's input was rejected before fn ran: namespace, key,
-	// TTL, DoOpts, an inbox consumer, message id or payload, a read-only transaction
-	// given to DoTx, an aborted, committed or rolled-back transaction given to DoTx or
-	// InboxRecordTx, or a call for a key from within the fn of a call that holds it.
+	// EventInvalidKey: the call's input was rejected before fn ran. That is a namespace,
+	// key, TTL, DoOpts, an inbox consumer, message id or payload. It is also a read-only
+	// transaction given to DoTx, or an aborted, committed or rolled-back one given to DoTx
+	// or InboxRecordTx. And it is a call for a key from within the fn of a call that holds
+	// it.
 	EventInvalidKey EventKind = "invalid_key"
 	// EventFingerprintMismatch: the key was reused with a different fingerprint.
 	EventFingerprintMismatch EventKind = "fingerprint_mismatch"

@@ -59,18 +59,19 @@ const finishShortRetries = 3
 // holds the last one; the caller releases q).
 //
 // The first attempts share a deadline FinishTimeout after the first. A failed write is
-// sent again up to finishShortRetries times within it, whatever the lease: the answer
+// sent again up to finishShortRetries times within it, whatever the lease. The answer
 // tells the caller whether the record was taken over (errFinishNoRow) rather than leaving
-// it with a store error, and the write is conditional on owner, so it cannot change a
-// record another caller took over. A write that keeps failing because the server is
-// unavailable (store.IsServerUnavailable: restarting, failing over, unreachable) is then
-// sent again, a second apart, for as long as the lease cl holds allows (cl.held, which the
-// heartbeat moves on while it renews), each attempt with FinishTimeout of its own: no
-// such retry is sent within a tenth of a lease of the lease's end as the holder knows it
-// (counted from the send time of the statement that granted or last renewed it, before
-// the server starts counting), so none is sent once another caller could take the key
-// over; and none more than one lease after the first attempt, should renewals succeed
-// meanwhile. Without a known lease (a reservation released before fn ran) only the short
+// it with a store error. The write is conditional on owner, so it cannot change a record
+// another caller took over.
+//
+// A write that keeps failing because the server is unavailable (store.IsServerUnavailable:
+// restarting, failing over, unreachable) is then sent again, a second apart. That goes on
+// for as long as the lease cl holds allows (cl.held, which the heartbeat moves on while it
+// renews), each attempt with FinishTimeout of its own. No such retry is sent within a
+// tenth of a lease of the lease's end as the holder knows it. The holder counts from the
+// send time of the statement that granted or last renewed it, before the server starts
+// counting. So none is sent once another caller could take the key over. And none is sent
+// more than one lease after the first attempt, should renewals succeed meanwhile. Without a known lease (a reservation released before fn ran) only the short
 // retries are made.
 func (c *Engine) finishOn(ctx context.Context, q *heldConn, cl *Call, owner pgtype.UUID, op, sql string, extra ...any) error {
 	detached := context.WithoutCancel(ctx)

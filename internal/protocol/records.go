@@ -186,11 +186,11 @@ func (c *Engine) sweepTable(ctx context.Context, sql string, p *sweepPace) (int6
 }
 
 // sweepBatch deletes one batch of expired rows with sql in a READ COMMITTED, READ WRITE
-// transaction of its own, whatever the pool's sessions default to: under REPEATABLE READ
-// or SERIALIZABLE a row that a concurrent sweep (or a takeover) changed after the
-// statement's snapshot fails the whole statement with a serialization failure, where READ
+// transaction of its own, whatever the pool's sessions default to. Under REPEATABLE READ
+// or SERIALIZABLE, a row that a concurrent sweep (or a takeover) changed after the
+// statement's snapshot fails the whole statement with a serialization failure. READ
 // COMMITTED skips it or checks it again, so concurrent sweeps split the rows as the docs
-// say; and sessions that default to read-only transactions would refuse the delete.
+// say. And sessions that default to read-only transactions would refuse the delete.
 func (c *Engine) sweepBatch(ctx context.Context, sql string, batch int) (int64, error) {
 	tx, err := c.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted, AccessMode: pgx.ReadWrite})
 	if err != nil {

@@ -13,20 +13,15 @@ import (
 	"github.com/pgidem/pgidem/internal/store"
 )
 
-// DoInTxResult is [DoTxResult] in a transaction of its own: it begins a transaction on the
-// coordinator's pool (READ COMMITTED), runs DoTx in it and commits, and reports how the
-// value was obtained. When DoTx returns an error (or fn panics) the transaction is rolled
-// back, with one exception: when fn returns a [Permanent] error, the failed record DoTx
-// wrote is committed (fn's writes are undone all the same) and fn's error is returned, so
-// later calls replay it as a [*StoredFailureError] without running fn. A replay, including
-// the replay of a stored failure, commits nothing new. A failed commit returns a
-// [*StoreError] for op "commit" instead of fn's value or error (and a zero Result); fn's
-// writes (or the failed record) are then not committed, although a connection lost during
-// COMMIT leaves that uncertain — the next call replays if it did commit. A commit that
-// fails by fn's doing returns an error saying so instead, neither logged nor counted as a
-// store error: the server refused it for a deferred constraint fn's writes broke (SQLSTATE
-// class 23; nothing is committed), or fn committed or rolled back tx itself, which it must
-// not (matching [ErrInvalidArgument]). Safe for concurrent use.
+// DoInTx is [Engine.DoTx] in a transaction of its own: it begins a transaction on the
+// coordinator's pool (READ COMMITTED), runs DoTx in it and commits. It is the engine of
+// pgidem's DoInTxResult, whose comment describes the contract.
+//
+// When DoTx returns an error (or fn panics) the transaction is rolled back. The exception
+// is a [Permanent] error from fn: the failed record DoTx wrote is committed (fn's writes
+// are undone all the same) and fn's error is returned. A replay, including the replay of a
+// stored failure, commits nothing new. A failed commit returns a [*StoreError] for op
+// "commit", unless the failure is fn's doing ([commitRefused]). Safe for concurrent use.
 func (c *Engine) DoInTx(ctx context.Context, cl *Call, fn func(ctx context.Context, tx any) error, encode func() ([]byte, error)) (Report, error) {
 	var zero Report
 	if err := ctx.Err(); err != nil {
@@ -239,11 +234,11 @@ func (c *Engine) runTx(ctx context.Context, tx Tx, cl *Call, fn func(ctx context
 }
 
 // storeTxFailure undoes fn's writes (rolling sp back), then stores fn's permanent failure
-// for replay in a savepoint of its own: when a live record blocks the write, the upsert
-// has still locked that row (ON CONFLICT DO UPDATE locks the conflicting row even when
-// its WHERE is false), and only rolling the savepoint back releases the lock — otherwise
-// tx would hold it while the caller waits for that record's holder, whose heartbeat it
-// would block until the holder's lease ran out and tx took over a live holder. It returns
+// for replay in a savepoint of its own. When a live record blocks the write, the upsert
+// has still locked that row: ON CONFLICT DO UPDATE locks the conflicting row even when
+// its WHERE is false. Only rolling the savepoint back releases the lock. Otherwise tx
+// would hold it while the caller waits for that record's holder. tx would block the
+// holder's heartbeat until its lease ran out, and then take over a live holder. It returns
 // fn's error once stored; won is false when a live record blocked the write.
 func (c *Engine) storeTxFailure(ctx context.Context, tx Tx, sp *savepoint, cl *Call, fnErr error, permanent *PermanentError) (won, stored bool, err error) {
 	notStored := func(err error) error {

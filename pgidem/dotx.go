@@ -43,10 +43,9 @@ func DoTx[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key 
 //     and pgx may close the connection, which ends tx.
 //
 // Defaults: the wait timeout is [DoOpts.WaitTimeout], else [Config.WaitTimeout] (one
-// minute). DoOpts.Lease is validated but unused: the transaction holds the key.
-// [Config.FailOpen] does not apply. ttl counts from DoTx's upsert, not from the commit.
-// tx must be on the coordinator's database. Safe for concurrent use on different
-// transactions; a pgx.Tx itself is not safe for concurrent use.
+// minute). DoOpts.Lease is unused, [Config.FailOpen] does not apply, and ttl counts from
+// DoTx's upsert. tx must be on the coordinator's database. Safe for concurrent use on
+// different transactions; a pgx.Tx itself is not safe for concurrent use.
 func DoTxResult[T any](ctx context.Context, c *Coordinator, tx pgx.Tx, namespace, key string, ttl time.Duration, opts *DoOpts, fn func(ctx context.Context, tx pgx.Tx) (T, error)) (Result[T], error) {
 	if c == nil || tx == nil || fn == nil {
 		return Result[T]{Outcome: OutcomeInvalid}, invalidArgument("DoTx: the coordinator, tx and fn must not be nil")

@@ -26,17 +26,7 @@ func TestNotifyWakesWaiter(t *testing.T) {
 	b := setup(t, nil)
 	waiterCoord := b.newCoord(t, &pgidem.Config{PollIntervalMin: time.Minute, PollIntervalMax: time.Minute, WaitTimeout: 20 * time.Second})
 
-	started, release := make(chan struct{}), make(chan struct{})
-	held := make(chan error, 1)
-	go func() {
-		_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (string, error) {
-			close(started)
-			<-release
-			return "sent", nil
-		})
-		held <- err
-	}()
-	<-started
+	h := b.hold(b.coord, "mail", "k", nil, "sent")
 	waited := make(chan pgidem.Result[string], 1)
 	go func() {
 		res, err := pgidem.DoResult(b.ctx, waiterCoord, "mail", "k", testTTL, nil, func(context.Context) (string, error) { return "again", nil })
@@ -44,8 +34,8 @@ func TestNotifyWakesWaiter(t *testing.T) {
 		waited <- res
 	}()
 	require.Eventually(t, func() bool { return listening(t, b, "pgidem") }, 30*time.Second, 5*time.Millisecond)
-	close(release)
-	require.NoError(t, <-held)
+	h.unblock()
+	require.NoError(t, <-h.done)
 	res := <-waited
 	require.Equal(t, "sent", res.Value)
 	require.Equal(t, pgidem.OutcomeWaitedReplayed, res.Outcome)
@@ -59,17 +49,7 @@ func TestNotifyPollOnly(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	pollOnly := b.newCoord(t, &pgidem.Config{PollOnly: true, WaitTimeout: time.Minute})
-	started, release := make(chan struct{}), make(chan struct{})
-	held := make(chan error, 1)
-	go func() {
-		_, err := pgidem.Do(b.ctx, b.coord, "mail", "k", testTTL, nil, func(context.Context) (string, error) {
-			close(started)
-			<-release
-			return "sent", nil
-		})
-		held <- err
-	}()
-	<-started
+	h := b.hold(b.coord, "mail", "k", nil, "sent")
 	waited := make(chan pgidem.Result[string], 1)
 	go func() {
 		res, err := pgidem.Await[string](b.ctx, pollOnly, "mail", "k", nil)
@@ -83,7 +63,7 @@ func TestNotifyPollOnly(t *testing.T) {
 		return n > 0
 	}, 30*time.Second, 5*time.Millisecond)
 	require.False(t, listening(t, b, "pgidem"))
-	close(release)
-	require.NoError(t, <-held)
+	h.unblock()
+	require.NoError(t, <-h.done)
 	require.Equal(t, "sent", (<-waited).Value)
 }

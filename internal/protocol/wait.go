@@ -64,25 +64,17 @@ func (w *waiter) inProgress(ctx context.Context, r *store.Row) error {
 		sleep = min(sleep, w.maxSleep)
 	}
 	w.backoff = min(w.backoff*2, c.config.PollIntervalMax)
-	if w.wake == nil {
+	if w.unregister == nil { // register once; the channel is nil when nothing can notify
 		w.wake, w.unregister = c.wakeOn(cl)
 	}
 	return sleepWoken(ctx, sleep, w.wake)
 }
 
 // sleepCtx sleeps for d or until ctx ends, returning ctx's error in that case.
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	timer := time.NewTimer(d)
-	defer timer.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-timer.C:
-		return nil
-	}
-}
+func sleepCtx(ctx context.Context, d time.Duration) error { return sleepWoken(ctx, d, nil) }
 
-// sleepWoken sleeps for d, until wake fires, or until ctx ends (returning ctx's error).
+// sleepWoken sleeps for d, until wake fires (a nil wake never does), or until ctx ends
+// (returning ctx's error).
 func sleepWoken(ctx context.Context, d time.Duration, wake <-chan struct{}) error {
 	timer := time.NewTimer(d)
 	defer timer.Stop()

@@ -242,7 +242,9 @@ type Config struct {
 	// connection of its own (opened with the pool's settings, outside the pool) LISTENs for
 	// them. Waiters so return within milliseconds of the outcome; polling stays the
 	// fallback. Set it behind a transaction-pooling PgBouncer, where LISTEN cannot work,
-	// or where a connection outside the pool is not allowed.
+	// or where a connection outside the pool is not allowed. The notification is one more
+	// statement per finished record (sent in the background, batched): set PollOnly where
+	// waits are rare and a single caller's throughput matters most.
 	PollOnly bool
 
 	// Logger receives a record of every unusual transition (takeover, lease lost,

@@ -237,14 +237,15 @@ type Config struct {
 
 	// PollOnly, when true, makes callers waiting for a record in progress only poll it
 	// (every [Config.PollIntervalMin] growing to [Config.PollIntervalMax]). Default false:
-	// a holder that finishes a record also sends a notification (pg_notify on channel
-	// "pgidem", or "pgidem.<Schema>"). While any caller of the coordinator waits, one
-	// connection of its own (opened with the pool's settings, outside the pool) LISTENs for
-	// them. Waiters so return within milliseconds of the outcome; polling stays the
+	// while any caller of the coordinator waits, one connection of its own (opened with the
+	// pool's settings, outside the pool) LISTENs on channel "pgidem" (or
+	// "pgidem.<Schema>") and holds a shared advisory lock per key waited for (two-int
+	// form, on hashtext of namespace and key). The statement that finishes a record
+	// notifies its key only while such a lock is held, so records nobody waits for cost
+	// nothing. Waiters so return within milliseconds of the outcome; polling stays the
 	// fallback. Set it behind a transaction-pooling PgBouncer, where LISTEN cannot work,
-	// or where a connection outside the pool is not allowed. The notification is one more
-	// statement per finished record (sent in the background, batched): set PollOnly where
-	// waits are rare and a single caller's throughput matters most.
+	// or where a connection outside the pool is not allowed. A PollOnly coordinator still
+	// wakes other coordinators' waiters.
 	PollOnly bool
 
 	// Logger receives a record of every unusual transition (takeover, lease lost,

@@ -10,12 +10,25 @@ import (
 	"github.com/pgidem/pgidem/pgidem"
 )
 
-// listening reports whether a session of the test's database has LISTENed on channel.
+// listening reports whether a listener's session is open on the test's database: its
+// last statement was its LISTEN on channel or a change of the keys it waits for.
 func listening(t *testing.T, b *testBundle, channel string) bool {
 	t.Helper()
 	var n int
 	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
-		WHERE datname = current_database() AND query = 'LISTEN "' || $1 || '"'`, channel).Scan(&n))
+		WHERE datname = current_database() AND pid <> pg_backend_pid() AND (query = 'LISTEN "' || $1 || '"'
+			OR query LIKE '%pg_advisory_%lock_shared(hashtext(n), hashtext(k))%')`, channel).Scan(&n))
+	return n > 0
+}
+
+// waitedFor reports whether a listener holds the interest lock of some key: the holder's
+// finishing statement will notify it.
+func waitedFor(t *testing.T, b *testBundle) bool {
+	t.Helper()
+	var n int
+	require.NoError(t, b.db.Pool.QueryRow(b.ctx, `SELECT count(*) FROM pg_locks
+		WHERE locktype = 'advisory' AND mode = 'ShareLock' AND granted AND objsubid = 2
+			AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`).Scan(&n))
 	return n > 0
 }
 
@@ -33,14 +46,14 @@ func TestNotifyWakesWaiter(t *testing.T) {
 		require.NoError(t, err)
 		waited <- res
 	}()
-	require.Eventually(t, func() bool { return listening(t, b, "pgidem") }, 30*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return waitedFor(t, b) }, 30*time.Second, 5*time.Millisecond)
 	h.unblock()
 	require.NoError(t, <-h.done)
 	res := <-waited
 	require.Equal(t, "sent", res.Value)
 	require.Equal(t, pgidem.OutcomeWaitedReplayed, res.Outcome)
-	// The listener stops with its last waiter.
-	require.Eventually(t, func() bool { return !listening(t, b, "pgidem") }, 30*time.Second, 5*time.Millisecond)
+	// The listener gives the key up and stops with its last waiter.
+	require.Eventually(t, func() bool { return !listening(t, b, "pgidem") && !waitedFor(t, b) }, 30*time.Second, 5*time.Millisecond)
 }
 
 // Await and a schema's records use the schema's channel; with PollOnly no session

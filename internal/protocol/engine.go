@@ -65,7 +65,6 @@ type Engine struct {
 	reserves  *batcher[reserveReq, store.Row] // reserving inserts (round.go)
 	completes *batcher[completeReq, struct{}] // completing writes (round.go)
 
-	notifier notifier // notifications of finished records (notify.go)
 	listener listener // wakes waiters on notifications (notify.go)
 	channel  string   // the notification channel of the engine's records
 

@@ -22,9 +22,6 @@ func (c *Engine) complete(ctx context.Context, cl *Call, owner pgtype.UUID, stat
 	if err == errBatchFallback {
 		err = c.finish(ctx, cl, owner, "complete", c.sql.Complete, status, store.JSONText(result), store.JSONText(failure), store.Micros(cl.ttl))
 	}
-	if err == nil {
-		c.notifyDone(cl)
-	}
 	return err
 }
 
@@ -39,11 +36,7 @@ var errFinishNoRow = errors.New("pgidem: reservation no longer owned")
 func (c *Engine) finish(ctx context.Context, cl *Call, owner pgtype.UUID, op, sql string, extra ...any) error {
 	q := &heldConn{pool: c.pool}
 	defer q.release()
-	err := c.finishOn(ctx, q, cl, owner, op, sql, extra...)
-	if err == nil && op == "release" {
-		c.notifyDone(cl)
-	}
-	return err
+	return c.finishOn(ctx, q, cl, owner, op, sql, extra...)
 }
 
 // finishPauses are the pauses between attempts of a failing finishing write; the last

@@ -12,72 +12,14 @@ import (
 )
 
 // Waiters for a record in progress poll it with a backoff; notifications wake them early.
-// A holder that finishes a record (completes it, stores a failure, releases it) queues a
-// notification on the schema's channel, which a notifier goroutine sends (one statement
-// for every key queued meanwhile) through the pool. A waiter registers for its key; while
-// any waiter of the engine waits, a listener goroutine holds a connection of its own that
-// LISTENs on the channel and wakes the waiters of each key it hears about. Both goroutines
-// run only while they have work: the notifier until its queue is empty, the listener
-// until its last waiter leaves. A lost notification costs only latency: the waiter's next
-// poll finds the outcome. With Settings.PollOnly neither runs.
-
-// maxNotifyPayload bounds a notification's payload below the server's limit (8000 bytes);
-// a longer key is not notified (its waiters poll).
-const maxNotifyPayload = 7900
-
-// notifyPayload is the payload naming (namespace, key); control characters never occur in
-// a valid namespace, so the separator is unambiguous.
-func notifyPayload(namespace, key string) string { return namespace + "\x1f" + key }
-
-// notifier queues and sends the notifications of records finished by this engine.
-type notifier struct {
-	mu      sync.Mutex
-	queue   []string
-	sending bool
-}
-
-// notifyDone queues the notification that cl's record was finished.
-func (c *Engine) notifyDone(cl *Call) {
-	if c.config.PollOnly {
-		return
-	}
-	payload := notifyPayload(cl.namespace, cl.key)
-	if len(payload) > maxNotifyPayload {
-		return
-	}
-	n := &c.notifier
-	n.mu.Lock()
-	n.queue = append(n.queue, payload)
-	start := !n.sending
-	n.sending = true
-	n.mu.Unlock()
-	if start {
-		go c.sendNotifications()
-	}
-}
-
-// sendNotifications sends queued notifications until the queue is empty. A failed send
-// drops its batch: waiters poll.
-func (c *Engine) sendNotifications() {
-	n := &c.notifier
-	for {
-		n.mu.Lock()
-		batch := n.queue
-		n.queue = nil
-		if len(batch) == 0 {
-			n.sending = false
-			n.mu.Unlock()
-			return
-		}
-		n.mu.Unlock()
-		ctx, cancel := context.WithTimeout(context.Background(), c.config.FinishTimeout)
-		_, err := c.pool.Exec(ctx, store.Notify, c.channel, batch)
-		cancel()
-		if err != nil {
-			c.config.Logger.Debug("pgidem: notification not sent; waiters poll", "error", err.Error())
-		}
-	}
-}
+// A waiter registers for its key. While any waiter of the engine waits, a listener
+// goroutine holds a connection of its own that LISTENs on the schema's channel and holds
+// a shared advisory lock on each key waited for (store.LockInterest). The statement that
+// finishes a record (completes it, stores a failure, releases it) notifies the key when
+// its lock is held (store/notify_sql.go), so records nobody waits for cost nothing. The
+// listener wakes the waiters of each key it hears about, and runs only while it has
+// waiters (plus listenLinger). A lost notification costs only latency: the waiter's next
+// poll finds the outcome. With Settings.PollOnly no listener runs.
 
 // listenLinger is how long the listener stays after its last waiter left, so that a
 // burst of waits does not open a connection for each.
@@ -87,26 +29,34 @@ const listenLinger = 200 * time.Millisecond
 // their key's record was finished.
 type listener struct {
 	mu      sync.Mutex
-	waiters map[string]map[chan struct{}]struct{}
-	stop    context.CancelFunc // nil: no listener goroutine
+	waiters map[string]*interest // by store.NotifyPayload
+	changed bool                 // waiters gained or lost a key since the listener last locked
+	wait    context.CancelFunc   // ends the listener's current wait for a notification; nil: none
+	stop    context.CancelFunc   // nil: no listener goroutine
 	done    chan struct{}
 	idle    *time.Timer // stops the listener once it has lingered without waiters
 	idleGen uint64      // counts idle timers: a timer stops the listener only if still current
+}
+
+// interest is one key's waiters.
+type interest struct {
+	namespace, key string
+	chans          map[chan struct{}]struct{}
 }
 
 // wakeOn registers a waiter for cl's key and returns the channel a notification for the
 // key is signalled on, and the function that unregisters it (stopping the listener when
 // it was the last). With PollOnly, or a key too long to notify, the channel never fires.
 func (c *Engine) wakeOn(cl *Call) (<-chan struct{}, func()) {
-	payload := notifyPayload(cl.namespace, cl.key)
-	if c.config.PollOnly || len(payload) > maxNotifyPayload {
+	payload := store.NotifyPayload(cl.namespace, cl.key)
+	if c.config.PollOnly || c.channel == "" || len(payload) >= store.MaxNotifyPayload {
 		return nil, func() {}
 	}
 	l := &c.listener
 	ch := make(chan struct{}, 1)
 	l.mu.Lock()
 	if l.waiters == nil {
-		l.waiters = map[string]map[chan struct{}]struct{}{}
+		l.waiters = map[string]*interest{}
 	}
 	if l.idle != nil {
 		l.idle.Stop()
@@ -117,23 +67,37 @@ func (c *Engine) wakeOn(cl *Call) (<-chan struct{}, func()) {
 		l.stop, l.done = stop, make(chan struct{})
 		go c.listen(ctx, l.done)
 	}
-	if l.waiters[payload] == nil {
-		l.waiters[payload] = map[chan struct{}]struct{}{}
+	in := l.waiters[payload]
+	if in == nil {
+		in = &interest{namespace: cl.namespace, key: cl.key, chans: map[chan struct{}]struct{}{}}
+		l.waiters[payload] = in
+		l.touch()
 	}
-	l.waiters[payload][ch] = struct{}{}
+	in.chans[ch] = struct{}{}
 	l.mu.Unlock()
 	return ch, func() {
 		l.mu.Lock()
 		defer l.mu.Unlock()
-		delete(l.waiters[payload], ch)
-		if len(l.waiters[payload]) == 0 {
+		delete(in.chans, ch)
+		if len(in.chans) == 0 && l.waiters[payload] == in {
 			delete(l.waiters, payload)
+			l.touch()
 		}
 		if len(l.waiters) == 0 && l.stop != nil && l.idle == nil {
 			l.idleGen++
 			gen := l.idleGen
 			l.idle = time.AfterFunc(listenLinger, func() { l.stopIdle(gen) })
 		}
+	}
+}
+
+// touch marks the keys waited for as changed and interrupts the listener's wait, so that
+// it locks and unlocks them. l.mu is held.
+func (l *listener) touch() {
+	l.changed = true
+	if l.wait != nil {
+		l.wait()
+		l.wait = nil
 	}
 }
 
@@ -153,15 +117,14 @@ func (l *listener) stopIdle(gen uint64) {
 }
 
 // listen holds a connection of its own (the pool's settings, outside the pool) that
-// LISTENs on the schema's channel, and wakes the waiters of each key notified, until ctx
-// ends. When it cannot connect or listen, waiters poll.
+// LISTENs on the schema's channel and holds the interest locks of the keys waited for,
+// and wakes the waiters of each key notified, until ctx ends. When it cannot connect,
+// listen or lock, waiters poll; its locks end with its connection.
 func (c *Engine) listen(ctx context.Context, done chan struct{}) {
 	defer close(done)
 	conn, err := pgx.ConnectConfig(ctx, c.pool.Config().ConnConfig.Copy())
 	if err != nil {
-		if ctx.Err() == nil {
-			c.config.Logger.Debug("pgidem: listener cannot connect; waiters poll", "error", err.Error())
-		}
+		c.listenFailed(ctx, "connect", err)
 		return
 	}
 	defer func() {
@@ -170,18 +133,84 @@ func (c *Engine) listen(ctx context.Context, done chan struct{}) {
 		_ = conn.Close(closeCtx)
 	}()
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{c.channel}.Sanitize()); err != nil {
-		if ctx.Err() == nil {
-			c.config.Logger.Debug("pgidem: listener cannot LISTEN; waiters poll", "error", err.Error())
-		}
+		c.listenFailed(ctx, "LISTEN", err)
 		return
 	}
+	held := map[string]*interest{} // the keys whose interest lock the connection holds
 	for {
-		n, err := conn.WaitForNotification(ctx)
-		if err != nil {
-			return // ctx ended, or the connection failed: waiters poll
+		lock, unlock, wait, stopWait := c.listener.next(ctx, held)
+		if wait == nil {
+			if err := lockInterest(ctx, conn, lock, unlock); err != nil {
+				c.listenFailed(ctx, "lock", err)
+				return
+			}
+			continue
 		}
-		c.wake(n.Payload)
+		n, err := conn.WaitForNotification(wait)
+		stopWait()
+		switch {
+		case err == nil:
+			c.wake(n.Payload)
+		case ctx.Err() != nil:
+			return
+		case wait.Err() == nil:
+			return // the connection failed: waiters poll
+		}
 	}
+}
+
+// listenFailed logs why the listener stopped, unless it was told to.
+func (c *Engine) listenFailed(ctx context.Context, step string, err error) {
+	if ctx.Err() == nil {
+		c.config.Logger.Debug("pgidem: listener stopped; waiters poll", "step", step, "error", err.Error())
+	}
+}
+
+// next brings held up to date with the keys waited for. When they changed it returns the
+// keys to lock and unlock (and a nil wait); otherwise a context for the next wait, which
+// a change of keys cancels, and its cancel function.
+func (l *listener) next(ctx context.Context, held map[string]*interest) (lock, unlock []*interest, wait context.Context, stop context.CancelFunc) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.changed {
+		wait, stop = context.WithCancel(ctx)
+		l.wait = stop
+		return nil, nil, wait, stop
+	}
+	l.changed = false
+	for payload, in := range l.waiters {
+		if held[payload] == nil {
+			held[payload] = in
+			lock = append(lock, in)
+		}
+	}
+	for payload, in := range held {
+		if l.waiters[payload] == nil {
+			delete(held, payload)
+			unlock = append(unlock, in)
+		}
+	}
+	return lock, unlock, nil, nil
+}
+
+// lockInterest takes the interest locks of lock and gives up those of unlock.
+func lockInterest(ctx context.Context, conn *pgx.Conn, lock, unlock []*interest) error {
+	for _, step := range []struct {
+		sql  string
+		keys []*interest
+	}{{store.UnlockInterest, unlock}, {store.LockInterest, lock}} {
+		if len(step.keys) == 0 {
+			continue
+		}
+		namespaces, keys := make([]string, len(step.keys)), make([]string, len(step.keys))
+		for i, in := range step.keys {
+			namespaces[i], keys[i] = in.namespace, in.key
+		}
+		if _, err := conn.Exec(ctx, step.sql, namespaces, keys); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // wake signals the waiters of the key named by payload.
@@ -192,10 +221,12 @@ func (c *Engine) wake(payload string) {
 	l := &c.listener
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	for ch := range l.waiters[payload] {
-		select {
-		case ch <- struct{}{}:
-		default:
+	if in := l.waiters[payload]; in != nil {
+		for ch := range in.chans {
+			select {
+			case ch <- struct{}{}:
+			default:
+			}
 		}
 	}
 }

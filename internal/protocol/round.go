@@ -319,7 +319,7 @@ func (c *Engine) runCompletes(ctx context.Context, items []*batchItem[completeRe
 		err = c.inRound(ctx, c.pool, c.sql.CompleteMany, args, func(rows pgx.Rows) error {
 			var owner pgtype.UUID
 			for rows.Next() {
-				if err := rows.Scan(&owner); err != nil {
+				if err := rows.Scan(&owner, nil); err != nil {
 					return err
 				}
 				if it := byOwner[owner]; it != nil {

@@ -61,7 +61,9 @@ var probeColumns = `status, owner, attempts, fingerprint, result, error, lease_e
 
 func newRecordStatements(schema string) recordStatements {
 	t := Qualify(schema, "pgidem_record")
-	r := strings.NewReplacer("{t}", t, "{cols}", rowColumns, "{guard}", roundGuard, "{released}", releasedCondition(""))
+	channel := Channel(schema)
+	r := strings.NewReplacer("{t}", t, "{cols}", rowColumns, "{guard}", roundGuard, "{released}", releasedCondition(""),
+		"{notify}", notifyWaiters(channel, ""), "{notify r}", notifyWaiters(channel, "r."))
 	// reserve and complete come in two forms: as is, and (for shared rounds) under
 	// roundGuard, which their single-row source or join evaluates before any row is
 	// written or locked.
@@ -90,7 +92,8 @@ WHERE namespace = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM ins)`)
 	// Store the outcome; the TTL counts from completion. The owner token makes it safe to
 	// repeat: a write whose reply was lost after it committed (a retry, a fallback after a
 	// round timed out) finds its own completed row and succeeds again instead of reporting
-	// a lost lease; a record taken over carries another owner and matches nothing.
+	// a lost lease; a record taken over carries another owner and matches nothing. The
+	// key's waiters, if any, are notified (notify_sql.go) when it commits.
 	complete := r.Replace(`
 UPDATE {t} SET
 	status = $4,
@@ -101,7 +104,8 @@ UPDATE {t} SET
 	expires_at = now() + $7 * interval '1 microsecond',
 	updated_at = now() {from}
 WHERE namespace = $1 AND key = $2 AND owner = $3
-	AND (status = 'in_progress' OR status = $4)`)
+	AND (status = 'in_progress' OR status = $4)
+RETURNING {notify} AS notified`)
 	return recordStatements{
 		Reserve: plain.Replace(reserve),
 
@@ -210,7 +214,8 @@ WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress' AND 
 		CompleteRound: guarded.Replace(complete),
 
 		// complete for many keys: $1..$7 are arrays, one element per call; results and
-		// failures arrive as JSON text. Returns the owner token of each row it completed.
+		// failures arrive as JSON text. Returns the owner token of each row it completed,
+		// and whether its waiters were notified.
 		CompleteMany: r.Replace(`
 UPDATE {t} AS r SET
 	status = u.status,
@@ -224,7 +229,7 @@ FROM unnest($1::text[], $2::text[], $3::uuid[], $4::text[], $5::text[], $6::text
 	AS u(namespace, key, owner, status, result, error, ttl_us), {guard}
 WHERE r.namespace = u.namespace AND r.key = u.key AND r.owner = u.owner
 	AND (r.status = 'in_progress' OR r.status = u.status)
-RETURNING r.owner`),
+RETURNING r.owner, {notify r} AS notified`),
 
 		// Give a reservation up (fn failed, panicked, or the caller's context ended). A
 		// first reservation (attempts 1) is deleted: the key is as if never used. A taken-
@@ -236,18 +241,18 @@ RETURNING r.owner`),
 		// Safe to repeat (finish retries a lost reply): a kept row matches again and is left
 		// as it is. The heartbeat must be stopped first, or a late renewal
 		// would revive the kept row's lease. Returns one row when the reservation was still
-		// this owner's.
+		// this owner's. Its waiters, if any, are notified: they may take the key now.
 		Release: r.Replace(`
 WITH deleted AS (
 	DELETE FROM {t}
 	WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress' AND attempts = 1
-	RETURNING 1
+	RETURNING {notify}
 ), kept AS (
 	UPDATE {t} SET -- a row already released (a repeat) is left as it is
 		lease_expires_at = CASE WHEN {released} THEN lease_expires_at ELSE now() END,
 		updated_at = CASE WHEN {released} THEN updated_at ELSE now() END
 	WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress' AND attempts > 1
-	RETURNING 1
+	RETURNING {notify}
 )
 SELECT 1 FROM deleted UNION ALL SELECT 1 FROM kept`),
 

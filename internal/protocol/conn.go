@@ -48,7 +48,10 @@ func (c *Engine) poolConn(ctx context.Context) (*pgxpool.Conn, error) {
 	conn, err := c.pool.Acquire(ctx)
 	// (A pool with connections to spare also times out while a new one is being dialled to
 	// a server that does not answer: that is the server's doing.)
-	if st := c.pool.Stat(); err != nil && errors.Is(err, context.DeadlineExceeded) && st.AcquiredConns() >= st.MaxConns() {
+	if err == nil || !errors.Is(err, context.DeadlineExceeded) {
+		return conn, err
+	}
+	if st := c.pool.Stat(); st.AcquiredConns() >= st.MaxConns() {
 		err = fmt.Errorf("%w (waiting for a connection: none of the pool's %d became free in time; size the pool "+
 			"above the calls that hold a connection while they call pgidem, such as InboxHandle or DoTx "+
 			"transactions calling Do)", err, st.MaxConns())

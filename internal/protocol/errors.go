@@ -253,6 +253,9 @@ func (e *notHeldError) SafeToRetry() bool { return true }
 // callerEnded returns the caller's context error when err is a reserving write that its
 // caller's context ended (holding nothing), else nil.
 func callerEnded(err error) error {
+	if err == nil {
+		return nil
+	}
 	if nh := (*notHeldError)(nil); errors.As(err, &nh) && nh.callerEnded {
 		return nh.err
 	}

@@ -160,9 +160,11 @@ func (c *Engine) readOrReserve(ctx context.Context, cl *Call, skipRead bool, acq
 	return r, held, nil
 }
 
-// probe reads what deciding and replaying need of cl's record. It is bounded like the
-// reserving write: a pool with no connection to spare (its holders waiting on each other)
-// fails the call instead of blocking it for as long as ctx allows, which may be for ever.
+// probe reads what deciding and replaying need of cl's record: what a replay needs in
+// one read, and a record that is not finished (in progress, expired) in full by a second.
+// It is bounded like the reserving write: a pool with no connection to spare (its holders
+// waiting on each other) fails the call instead of blocking it for as long as ctx allows,
+// which may be for ever.
 func (c *Engine) probe(ctx context.Context, cl *Call) (store.Row, error) {
 	var r store.Row
 	pctx, cancel := context.WithTimeout(ctx, c.config.FinishTimeout)
@@ -172,7 +174,12 @@ func (c *Engine) probe(ctx context.Context, cl *Call) (store.Row, error) {
 		return r, err
 	}
 	defer conn.Release()
-	err = conn.QueryRow(pctx, c.sql.Probe, cl.namespace, cl.key).Scan(r.ProbeTargets()...)
+	var finished bool
+	err = conn.QueryRow(pctx, c.sql.Probe, cl.namespace, cl.key).Scan(r.ProbeTargets(&finished)...)
+	if err == nil && !finished {
+		r = store.Row{} // a row deleted meanwhile reads as none: pgx.ErrNoRows
+		err = conn.QueryRow(pctx, c.sql.Lookup, cl.namespace, cl.key).Scan(r.ScanTargets(false)...)
+	}
 	return r, err
 }
 

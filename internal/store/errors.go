@@ -98,6 +98,9 @@ func (e *Error) notMigrated() bool {
 
 // Code returns the SQLSTATE of the server error err carries, or "".
 func Code(err error) string {
+	if err == nil {
+		return ""
+	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return pgErr.Code

@@ -44,7 +44,7 @@ func releasedCondition(alias string) string {
 	return alias + `status = 'in_progress' AND ` + alias + `lease_expires_at = ` + alias + `updated_at`
 }
 
-// releasedColumn is the released verdict, the last column of rowColumns and probeColumns.
+// releasedColumn is the released verdict, the last column of rowColumns.
 var releasedColumn = `(` + releasedCondition("") + `) AS released`
 
 // roundGuard, joined into the statements of shared rounds, bounds their lock waits by
@@ -53,11 +53,13 @@ var releasedColumn = `(` + releasedCondition("") + `) AS released`
 // would wait longer fails with lock_not_available and its calls run alone.
 const roundGuard = `(SELECT set_config('lock_timeout', '` + RoundLockTimeout + `', true)) AS guard`
 
-// probeColumns are the columns of the probe statement, in probeTargets' order.
-var probeColumns = `status, owner, attempts, fingerprint, result, error, lease_expires_at, completed_at,
-	expires_at <= statement_timestamp() AS expired,
-	(status = 'in_progress' AND lease_expires_at <= statement_timestamp()) AS lease_expired,
-	statement_timestamp() AS db_now, ` + releasedColumn
+// probeColumns are the columns of the probe statement, in ProbeTargets' order: what a
+// replay needs, and whether the row is finished (a completed, failed or parked record
+// within its TTL). Any other row is read again in full (Lookup): the lease and the
+// verdicts are only needed there, and leaving them out keeps a replay's read as cheap as
+// a hand-written one.
+const probeColumns = `status, attempts, fingerprint, result, error, completed_at,
+	status <> 'in_progress' AND expires_at > statement_timestamp() AS finished`
 
 func newRecordStatements(schema string) recordStatements {
 	t := Qualify(schema, "pgidem_record")
@@ -277,8 +279,8 @@ SELECT *, true FROM deleted
 UNION ALL
 SELECT *, false FROM target WHERE NOT EXISTS (SELECT 1 FROM deleted)`),
 
-		// The read that starts every Do: only what deciding and replaying need, since a
-		// replay is this one statement.
+		// The read that starts a call: only what a replay needs, since a replay is this
+		// one statement (probeColumns).
 		Probe: r.Replace(`SELECT ` + probeColumns + ` FROM {t} WHERE namespace = $1 AND key = $2`),
 	}
 }

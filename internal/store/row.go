@@ -102,10 +102,11 @@ func (r *Row) ScanTargets(withInserted bool) []any {
 	return targets
 }
 
-// ProbeTargets are the scan targets of the Probe statement.
-func (r *Row) ProbeTargets() []any {
-	return []any{&r.Status, &r.Owner, &r.Attempts, &r.Fingerprint, &r.Result, &r.Failure,
-		&r.LeaseExpires, &r.CompletedAt, &r.Expired, &r.LeaseExpired, &r.DBNow, &r.Released}
+// ProbeTargets are the scan targets of the Probe statement. It sets finished when the row
+// is a finished record within its TTL; otherwise only Status, Attempts and Fingerprint
+// are read, and the row must be read in full (Lookup, ScanTargets) before deciding.
+func (r *Row) ProbeTargets(finished *bool) []any {
+	return []any{&r.Status, &r.Attempts, &r.Fingerprint, &r.Result, &r.Failure, &r.CompletedAt, finished}
 }
 
 // Available reports whether the row counts as absent: expired, or in progress with an

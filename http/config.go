@@ -212,6 +212,11 @@ type Config struct {
 	// response could not be stored in, an unexpected error). Default: the coordinator's
 	// [pgidem.Config.Logger].
 	Logger *slog.Logger
+
+	// Hook observes every request the middleware applies to, refused ones included: it
+	// gives the request its context and receives a [Response] (outcome, status) for it.
+	// Default: none.
+	Hook Hook
 }
 
 // defaultReplayHeaders is the default Config.ReplayHeaders.

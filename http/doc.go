@@ -149,6 +149,13 @@
 // has a Hijack method, which returns an error matching [http.ErrNotSupported] when the
 // server's writer cannot hijack (HTTP/2).
 //
+// # Observing requests
+//
+// [Config.Hook] sees every request the middleware applies to, refused ones included. Its
+// OnRequest gives the request its context, which next runs with; OnResponse receives a
+// [Response] with the call's outcome and the status the client was sent. Package
+// pgidemotel's hook opens a span per request with it.
+//
 // # Nesting
 //
 // Under another Middleware (one wrapping another), a request whose record the outer one

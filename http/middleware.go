@@ -73,14 +73,20 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 			next.ServeHTTP(w, r)
 			return
 		}
-		m.serve(w, r, next)
+		if m.config.Hook != nil {
+			m.serveHooked(w, r, next)
+			return
+		}
+		m.serve(w, r, next, nil)
 	})
 }
 
 // serve handles a request the middleware applies to: it admits the request, runs the call
-// for its record, and answers by the call's outcome ([actionFor]).
-func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+// for its record, and answers by the call's outcome ([actionFor]). It reports the key and
+// the call in res, for the [Hook] (nil without one).
+func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler, res *Response) {
 	rk, ok := m.admit(w, r, next)
+	res.admitted(rk.key)
 	if !ok {
 		return
 	}
@@ -91,6 +97,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	c := &call{m: m, w: w, r: r, next: next, recordKey: recordKey,
 		outer: w.Header().Clone()} // what outer handlers set: kept if the middleware answers after next
+	defer res.called(c)
 	ctx, start, stop := m.callContext(context.WithValue(r.Context(), requestKeyContextKey{}, rk))
 	defer stop()
 	c.ctx, c.start = ctx, start
@@ -122,6 +129,7 @@ type call struct {
 
 	rec      *recorder // set once next starts
 	panicked any       // next's panic after it sent a status, raised again once it is stored
+	replayed bool      // the stored response was sent
 	res      pgidem.Result[json.RawMessage]
 	err      error
 }

@@ -136,7 +136,7 @@ func replay(c *call) {
 		beforeNext(internalError)(c)
 		return
 	}
-	c.m.writeReplay(c.w, c.res.Value)
+	c.replayed = c.m.writeReplay(c.w, c.res.Value)
 }
 
 // inProgress answers 409 with a Retry-After of the holder's remaining lease, within 1 s

@@ -89,10 +89,10 @@ func ScopedKey(ctx context.Context) (key string, ok bool) {
 // next), its principal and its fingerprint. ok is false when admit answered the request
 // instead. Without a key it passes to next (or is refused when [Config.Required]). An
 // invalid key, a body that cannot be read or is too large, or a caller
-// [Config.Principal] cannot name is refused with a problem.
+// [Config.Principal] cannot name is refused with a problem. rk.key is set once the key is
+// valid, also when admit refuses the request after that.
 func (m *Middleware) admit(w http.ResponseWriter, r *http.Request, next http.Handler) (rk requestKey, ok bool) {
-	key, ok := m.keyOf(w, r, next)
-	if !ok {
+	if rk.key, ok = m.keyOf(w, r, next); !ok {
 		return rk, false
 	}
 	body, ok := m.readBody(w, r)
@@ -107,8 +107,8 @@ func (m *Middleware) admit(w http.ResponseWriter, r *http.Request, next http.Han
 	if !ok {
 		return rk, false
 	}
-	return requestKey{namespace: m.config.Namespace, principal: principal, key: key,
-		fingerprint: m.config.Fingerprint(r, fingerprinted)}, true
+	rk.namespace, rk.principal, rk.fingerprint = m.config.Namespace, principal, m.config.Fingerprint(r, fingerprinted)
+	return rk, true
 }
 
 // keyOf returns the request's Idempotency-Key. ok is false when the request has none or

@@ -80,13 +80,14 @@ func (m *Middleware) encode(ctx context.Context, rec *recorder, recordKey string
 	return b
 }
 
-// writeReplay sends a stored response.
-func (m *Middleware) writeReplay(w http.ResponseWriter, raw json.RawMessage) {
+// writeReplay sends a stored response. It reports false when it could not be read, and
+// answered 500 instead.
+func (m *Middleware) writeReplay(w http.ResponseWriter, raw json.RawMessage) bool {
 	var s storedResponse
 	if err := json.Unmarshal(raw, &s); err != nil || s.Status < 200 || s.Status > 999 {
 		m.problem(w, http.StatusInternalServerError, "response_not_stored", "Response not stored",
 			"A request with this Idempotency-Key was processed, but its stored response cannot be read.", nil)
-		return
+		return false
 	}
 	h := w.Header()
 	for name, values := range s.Header {
@@ -103,6 +104,7 @@ func (m *Middleware) writeReplay(w http.ResponseWriter, raw json.RawMessage) {
 	h.Set("Content-Length", strconv.Itoa(len(body)))
 	w.WriteHeader(s.Status)
 	_, _ = w.Write(body)
+	return true
 }
 
 // recorder passes a handler's response through to the client and keeps what a replay

@@ -26,12 +26,28 @@
 //
 // With [WithTracerProvider], each Do, DoTx, DoInTx, DoSQLTx and inbox call runs in a span
 // of its own, named [SpanPrefix] and the operation, such as "pgidem.Do". It is a child of
-// the span in the caller's context. That is a River job's or an HTTP request's span when
-// their instrumentation (River's otelriver, otelhttp) wraps the pgidem middleware. Its
-// attributes are db.system.name ("postgresql"), the namespace, operation, outcome,
-// attempts, waited and took over; the key only with [WithKeys], since keys can carry
-// personal data. A takeover and a lost lease add an event to the call's span
-// ([TakenOverEvent], [LeaseLostEvent]); an error sets the span's status to Error.
+// the span in the caller's context. Its attributes are db.system.name ("postgresql"), the
+// namespace, operation, outcome, attempts, waited and took over; the key only with
+// [WithKeys], since keys can carry personal data. A takeover and a lost lease add an
+// event to the call's span ([TakenOverEvent], [LeaseLostEvent]); an error sets the span's
+// status to Error.
+//
+// Put the same hook in the Config.Hook of pgidemriver and pgidemhttp too, and it opens a
+// span per River job and per HTTP request their middlewares handle; the call's span is its
+// child.
+//
+//	mw, err := pgidemriver.NewMiddleware(coord, &pgidemriver.Config{Hook: hook})
+//	httpMW, err := pgidemhttp.New(coord, &pgidemhttp.Config{Principal: principal, Hook: hook})
+//
+// A job's span, [JobSpanName], has OpenTelemetry's messaging attributes
+// (messaging.system "river", messaging.operation.type "process", the queue as
+// messaging.destination.name, the job id as messaging.message.id) and the action River
+// got ([ActionAttribute]). A request's span, [RequestSpanName], has http.request.method
+// and http.response.status_code; its key, with WithKeys, is the client's Idempotency-Key.
+// Both have the outcome's attributes, as a call's span does. A failed job (not a snooze)
+// and a 5xx response set the status to Error. Their kind is Internal: when River's
+// otelriver or otelhttp wraps the middleware, pgidem's span nests under theirs, which
+// stay the consumer's or the server's span.
 package pgidemotel
 
 import (
@@ -68,8 +84,9 @@ const (
 )
 
 // Hook adds each [pgidem.Event] to an OpenTelemetry counter. Create it with [NewHook]; a
-// zero Hook (or a nil *Hook) counts nothing. It is safe for concurrent use, as
-// [pgidem.Hook] requires.
+// zero Hook (or a nil *Hook) counts nothing. It is also a [pgidemriver.StartHook] and a
+// [pgidemhttp.Hook], which trace jobs and requests ("Traces"). It is safe for concurrent
+// use, as [pgidem.Hook] requires.
 type Hook struct {
 	events, swept metric.Int64Counter
 	calls         callInstruments

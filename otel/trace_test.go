@@ -24,6 +24,7 @@ type traceBundle struct {
 	ctx      context.Context
 	db       *testdb.DB
 	coord    *pgidem.Coordinator
+	hook     *pgidemotel.Hook
 	spans    *tracetest.InMemoryExporter
 	reader   *sdkmetric.ManualReader
 	provider *sdktrace.TracerProvider
@@ -47,7 +48,7 @@ func setupTracing(t *testing.T, opts ...pgidemotel.Option) *traceBundle {
 	db := testdb.New(t)
 	coord, err := pgidem.NewCoordinator(db.Pool, &pgidem.Config{Hook: hook})
 	require.NoError(t, err)
-	return &traceBundle{ctx: ctx, db: db, coord: coord, spans: spans, reader: reader, provider: tp}
+	return &traceBundle{ctx: ctx, db: db, coord: coord, hook: hook, spans: spans, reader: reader, provider: tp}
 }
 
 // attrs returns a span's attributes by key.

@@ -120,7 +120,9 @@ type Config struct {
 	// [pgidem.Config.Logger].
 	Logger *slog.Logger
 
-	// Hook receives an [Outcome] for every execution. Default: none.
+	// Hook receives an [Outcome] for every execution. One that also implements
+	// [StartHook] sees each execution start too, and its context becomes the execution's.
+	// Default: none.
 	Hook Hook
 }
 
@@ -162,7 +164,8 @@ func NewMiddleware(coord *pgidem.Coordinator, config *Config) (*Middleware, erro
 		exclude[kind] = true
 	}
 	cfg.ExcludeKinds = append([]string(nil), cfg.ExcludeKinds...)
-	return &Middleware{coord: coord, config: cfg, exclude: exclude, kinds: map[string]*kindInfo{}}, nil
+	startHook, _ := cfg.Hook.(StartHook)
+	return &Middleware{coord: coord, config: cfg, startHook: startHook, exclude: exclude, kinds: map[string]*kindInfo{}}, nil
 }
 
 // Config returns a copy of the middleware's configuration with defaults filled in.

@@ -132,7 +132,9 @@
 //   - invalid_key, fingerprint_mismatch, store_error, or none: an error ([ActionError]).
 //
 // [Outcome.Outcome] and [Stats.Outcomes] carry pgidem's outcome as it is, so the River
-// adapter's metrics and pgidem's events read the same.
+// adapter's metrics and pgidem's events read the same. [Config.Hook] receives each
+// Outcome. A [StartHook] also sees each execution start, and the context it returns is
+// the execution's: package pgidemotel's hook opens a span per job with it.
 //
 // # Database effects: WorkTx
 //

@@ -33,9 +33,10 @@ import (
 type Middleware struct {
 	river.MiddlewareDefaults
 
-	coord   *pgidem.Coordinator
-	config  Config
-	exclude map[string]bool
+	coord     *pgidem.Coordinator
+	config    Config
+	startHook StartHook // config.Hook when it implements StartHook
+	exclude   map[string]bool
 
 	mu    sync.RWMutex
 	kinds map[string]*kindInfo // registered args types by kind (and kind alias)
@@ -69,6 +70,7 @@ func (m *Middleware) Work(ctx context.Context, job *rivertype.JobRow, doInner fu
 	if id, ok := ctx.Value(handledJobKey{}).(int64); ok && id == job.ID {
 		return doInner(ctx)
 	}
+	ctx = m.start(ctx, job)
 	out := &Outcome{Job: job}
 	defer func() {
 		// A panic (River recovers it around the middleware chain) still gets its outcome:

@@ -84,6 +84,20 @@ type Hook interface {
 	OnOutcome(ctx context.Context, outcome *Outcome)
 }
 
+// StartHook is implemented by a [Hook] that also sees each execution start, to open a span
+// around it (package pgidemotel does). [NewMiddleware] checks [Config.Hook] for it once.
+type StartHook interface {
+	Hook
+	// OnJobStart is called on the job's goroutine when the middleware takes up an
+	// execution, before it finds the key; excluded kinds ([ActionSkipped]) included. Each
+	// call is followed by one [Hook.OnOutcome]. An inner registration that passes the job
+	// through calls neither. The context it returns is the execution's from then on:
+	// pgidem's call, the worker and OnOutcome receive it or one derived from it. Return ctx
+	// itself to add nothing. Calls are concurrent; a panic is recovered and logged at
+	// error ([Config.Logger]), and the execution goes on with ctx.
+	OnJobStart(ctx context.Context, job *rivertype.JobRow) context.Context
+}
+
 // HookFunc adapts a function to [Hook].
 type HookFunc func(ctx context.Context, outcome *Outcome)
 
@@ -154,12 +168,36 @@ func (m *Middleware) report(ctx context.Context, out *Outcome) {
 	}
 	defer func() {
 		if p := recover(); p != nil {
-			m.config.Logger.ErrorContext(ctx, "pgidemriver: Hook.OnOutcome panicked; the job's outcome stands",
-				slog.Int64("job_id", out.Job.ID), slog.String("job_kind", out.Job.Kind), slog.String("action", string(out.Action)),
-				slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+			m.hookPanicked(ctx, "pgidemriver: Hook.OnOutcome panicked; the job's outcome stands", out.Job, p,
+				slog.String("action", string(out.Action)))
 		}
 	}()
 	m.config.Hook.OnOutcome(ctx, out)
+}
+
+// start hands job to the [StartHook], if there is one, and returns the context the
+// execution goes on with: the one OnJobStart returned, or ctx when it returned nil or
+// panicked (logged, like a panic in OnOutcome).
+func (m *Middleware) start(ctx context.Context, job *rivertype.JobRow) (started context.Context) {
+	if m.startHook == nil {
+		return ctx
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			m.hookPanicked(ctx, "pgidemriver: Hook.OnJobStart panicked; the job goes on", job, p)
+			started = ctx
+		}
+	}()
+	if started = m.startHook.OnJobStart(ctx, job); started == nil {
+		return ctx
+	}
+	return started
+}
+
+// hookPanicked logs the panic p of a Hook method with msg.
+func (m *Middleware) hookPanicked(ctx context.Context, msg string, job *rivertype.JobRow, p any, attrs ...any) {
+	m.config.Logger.ErrorContext(ctx, msg, append([]any{slog.Int64("job_id", job.ID), slog.String("job_kind", job.Kind)},
+		append(attrs, slog.Any("panic", p), slog.String("stack", string(debug.Stack())))...)...)
 }
 
 func (m *Middleware) record(out *Outcome) {

@@ -30,13 +30,16 @@ func (l *leaseClock) until() time.Time {
 	return time.Time{}
 }
 
-// heartbeat renews a held lease every lease/3 until stopped.
+// heartbeat renews a held lease every lease/3 until stopped. Its goroutine starts with
+// the first renewal: a call that finishes sooner (most do) starts none.
 type heartbeat struct {
 	finished atomic.Bool // fn returned: a renewal that finds no row means the finishing write won
 	stopOnce sync.Once
 	stopCh   chan struct{}
 	cancel   context.CancelFunc // ends a renewal in flight when the heartbeat stops
-	done     chan struct{}
+	first    *time.Timer        // starts the renewals' goroutine
+	expiry   *time.Timer        // cancels fn when the lease is about to run out unrenewed
+	done     chan struct{}      // closed when the renewals ended, or will never start
 }
 
 // startHeartbeat starts renewing the lease of cl's reservation, granted by a statement sent
@@ -74,10 +77,11 @@ func (c *Engine) startHeartbeat(ctx context.Context, cl *Call, owner pgtype.UUID
 	cl.held.set(leaseFrom.Add(cl.lease))
 	deadline := leaseFrom.Add(cl.lease - margin) // fn is cancelled then unless a renewal moves it
 	expiry := time.AfterFunc(time.Until(deadline), lost)
-	go func() {
+	hb.expiry = expiry
+	hb.first = time.AfterFunc(time.Until(leaseFrom.Add(interval)), func() {
 		defer close(hb.done)
 		defer expiry.Stop()
-		next := time.NewTimer(time.Until(leaseFrom.Add(interval)))
+		next := time.NewTimer(0) // the first renewal is due
 		defer next.Stop()
 		for {
 			select {
@@ -126,7 +130,7 @@ func (c *Engine) startHeartbeat(ctx context.Context, cl *Call, owner pgtype.UUID
 			lost()
 			return
 		}
-	}()
+	})
 	return hb
 }
 
@@ -141,6 +145,10 @@ func (hb *heartbeat) stop() {
 		hb.finished.Store(true) // an expiry firing now no longer cancels fn
 		hb.cancel()             // first: a renewal chosen after this fails at once
 		close(hb.stopCh)
+		if hb.first.Stop() { // the renewals never started, and now never will
+			hb.expiry.Stop()
+			close(hb.done)
+		}
 	})
 	<-hb.done
 }

@@ -10,10 +10,11 @@ TEST_FLAGS    ?=
 BENCH         ?= .
 BENCH_COUNT   ?= 6
 FLOOR_COUNT   ?= 5
+SCALE_COUNT   ?= 3
 FUZZTIME      ?= 30s
 FUZZ_TARGETS  := FuzzKey FuzzResultRoundTrip FuzzInboxPayload
 
-.PHONY: all test lint fuzz demo bench bench-micro bench-river bench-http build tidy
+.PHONY: all test lint fuzz demo bench bench-scale bench-micro bench-river bench-http build tidy
 
 all: lint test
 
@@ -58,6 +59,12 @@ bench:
 	$(GO) run $(BENCHSTAT) bench.txt
 	$(GO) run ./internal/benchsql/benchratio bench.txt
 	$(GO) test -run '^$$' -bench 'BenchmarkWakeup' -benchtime 100x ./pgidem/
+
+## bench-scale: p99 of 16 callers with 10 million records (PGIDEM_SCALE_RECORDS) beside
+## 10 thousand, and while a sweep of a million expired records runs; SCALE_COUNT runs.
+bench-scale:
+	$(GO) test -run '^$$' -bench 'BenchmarkScale|BenchmarkSweepLoad' -benchtime 1x -count $(SCALE_COUNT) -timeout 90m ./pgidem/ | tee bench-scale.txt
+	$(GO) run ./internal/benchsql/benchratio bench-scale.txt
 
 ## bench-micro: pgidem's other benchmarks (BenchmarkDo, BenchmarkDoConcurrent, DoTx).
 bench-micro:

@@ -44,9 +44,8 @@ WHERE namespace = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'`
 
 	// ReadSQL is pgidem's probe: the indexed read that starts every call. $1 namespace, $2
 	// key.
-	ReadSQL = `SELECT status, attempts, fingerprint, result, error, lease_expires_at, completed_at,
-	expires_at <= now() AS expired, (status = 'in_progress' AND lease_expires_at <= now()) AS lease_expired,
-	now() AS db_now
+	ReadSQL = `SELECT status, attempts, fingerprint, result, error, completed_at,
+	status <> 'in_progress' AND expires_at > now() AS finished
 FROM pgidem_record WHERE namespace = $1 AND key = $2`
 
 	// MinimalReadSQL is the cheapest indexed read of a stored result.
@@ -119,8 +118,9 @@ func Replay(ctx context.Context, pool *pgxpool.Pool, order Order, namespace, key
 	)
 	var err error
 	if order == ReadFirst {
+		var finished bool
 		err = pool.QueryRow(ctx, ReadSQL, namespace, key).Scan(&status, &attempts, &fingerprint,
-			&result, &failure, &leaseExpires, &complete, &expired, &leaseExpired, &now)
+			&result, &failure, &complete, &finished)
 	} else {
 		newOwner := pgtype.UUID{Valid: true}
 		_, _ = rand.Read(newOwner.Bytes[:])

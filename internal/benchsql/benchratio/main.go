@@ -1,5 +1,6 @@
 // Command benchratio summarizes the ratios in `go test -bench` output: for every benchmark
-// and every metric whose unit names a ratio, the median and the range over the runs.
+// and every metric whose unit names a ratio, allocations per call, a p99 or rows per
+// second, the median and the range over the runs.
 //
 //	go run ./internal/benchsql/benchratio bench.txt
 package main
@@ -38,7 +39,8 @@ func main() {
 		}
 		for i := 2; i+1 < len(fields); i += 2 {
 			unit := fields[i+1]
-			if !strings.Contains(unit, "ratio") && !strings.Contains(unit, "allocs/call") {
+			if !strings.Contains(unit, "ratio") && !strings.Contains(unit, "allocs/call") &&
+				!strings.Contains(unit, "p99") && !strings.Contains(unit, "rows/s") {
 				continue
 			}
 			v, err := strconv.ParseFloat(fields[i], 64)

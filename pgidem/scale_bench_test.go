@@ -138,13 +138,15 @@ func p99(lat []time.Duration) float64 {
 // records (default 10 million) with the same on a table of 10 thousand: two databases on
 // one server, through pools of 32 connections, alternating one-second slices. It reports
 // both p99s and their ratio (large ÷ small) for fresh keys and for replays of random
-// records of the table.
+// records of the table; for replays also the same ratio of the floor's read
+// (floorReplay), which shows what the table's size costs any reader.
 //
 //	make bench-scale
 func BenchmarkScale(b *testing.B) {
 	n := scaleRecords(b)
 	type table struct {
 		coord *pgidem.Coordinator
+		pool  *pgxpool.Pool
 		n     int
 	}
 	var tables []table
@@ -156,37 +158,46 @@ func BenchmarkScale(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		tables = append(tables, table{coord, size})
+		tables = append(tables, table{coord, pool, size})
 	}
 	fn := func(context.Context) (string, error) { return "em_1", nil }
 	prefix := benchsql.KeyPrefix()
 	var seq atomic.Int64
-	cell := func(b *testing.B, call func(ctx context.Context, t table) error) {
-		sides := make([]latencySide, len(tables))
-		for i, t := range tables {
-			sides[i] = latencySide{strconv.Itoa(t.n), func(ctx context.Context) error { return call(ctx, t) }}
+	// cell runs call on both tables; floor, when set, too, as the hand-written baseline.
+	cell := func(b *testing.B, call, floor func(ctx context.Context, t table) error) {
+		var sides []latencySide
+		for _, f := range []func(context.Context, table) error{call, floor} {
+			for _, t := range tables {
+				if f != nil {
+					sides = append(sides, latencySide{strconv.Itoa(t.n), func(ctx context.Context) error { return f(ctx, t) }})
+				}
+			}
 		}
 		lat := runLatencyCell(b, sides, nil)
 		small, large := p99(lat[0]), p99(lat[1])
 		b.ReportMetric(small, "p99-small-ms")
 		b.ReportMetric(large, "p99-large-ms")
 		b.ReportMetric(large/small, "p99-ratio")
+		if floor != nil {
+			b.ReportMetric(p99(lat[3])/p99(lat[2]), "floor-p99-ratio")
+		}
 		b.ReportMetric(float64(n), "records")
 	}
+	replayKey := func(t table) string { return "f" + strconv.Itoa(mrand.IntN(t.n)) }
 	b.Run("fresh/callers=16", func(b *testing.B) {
 		cell(b, func(ctx context.Context, t table) error {
 			_, err := pgidem.Do(ctx, t.coord, "fresh", prefix+strconv.FormatInt(seq.Add(1), 10), testTTL, nil, fn)
 			return err
-		})
+		}, nil)
 	})
 	b.Run("replay/callers=16", func(b *testing.B) {
 		cell(b, func(ctx context.Context, t table) error {
-			res, err := pgidem.DoResult(ctx, t.coord, "replay", "f"+strconv.Itoa(mrand.IntN(t.n)), testTTL, nil, fn)
+			res, err := pgidem.DoResult(ctx, t.coord, "replay", replayKey(t), testTTL, nil, fn)
 			if err == nil && res.Outcome != pgidem.OutcomeReplayed {
 				err = fmt.Errorf("outcome %s, want replayed", res.Outcome)
 			}
 			return err
-		})
+		}, func(ctx context.Context, t table) error { return floorReplay(ctx, t.pool, "replay", replayKey(t)) })
 	})
 }
 

@@ -2,6 +2,7 @@ package protocol
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync"
 	"time"
@@ -109,10 +110,10 @@ func (l *listener) stopIdle(gen uint64) {
 		l.mu.Unlock()
 		return
 	}
-	stop, done := l.stop, l.done
-	l.stop, l.done, l.idle = nil, nil, nil
+	done := l.done
+	l.stop() // under l.mu: the stopped listener takes no key change meant for its successor
+	l.stop, l.done, l.idle, l.wait = nil, nil, nil, nil
 	l.mu.Unlock()
-	stop()
 	<-done
 }
 
@@ -132,7 +133,12 @@ func (c *Engine) listen(ctx context.Context, done chan struct{}) {
 		defer cancel()
 		_ = conn.Close(closeCtx)
 	}()
+	var pid uint32
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{c.channel}.Sanitize()); err != nil {
+		c.listenFailed(ctx, "LISTEN", err)
+		return
+	}
+	if err := conn.QueryRow(ctx, store.BackendPID).Scan(&pid); err != nil {
 		c.listenFailed(ctx, "LISTEN", err)
 		return
 	}
@@ -140,38 +146,49 @@ func (c *Engine) listen(ctx context.Context, done chan struct{}) {
 	for {
 		lock, unlock, wait, stopWait := c.listener.next(ctx, held)
 		if wait == nil {
-			if err := lockInterest(ctx, conn, lock, unlock); err != nil {
+			if err := lockInterest(ctx, conn, pid, lock, unlock); err != nil {
 				c.listenFailed(ctx, "lock", err)
 				return
 			}
 			continue
 		}
 		n, err := conn.WaitForNotification(wait)
+		interrupted := wait.Err() != nil // by a change of keys, or by ctx
 		stopWait()
 		switch {
 		case err == nil:
 			c.wake(n.Payload)
-		case ctx.Err() != nil:
-			return
-		case wait.Err() == nil:
-			return // the connection failed: waiters poll
+		case ctx.Err() != nil || !interrupted:
+			return // stopped, or the connection failed: waiters poll
 		}
 	}
 }
 
 // listenFailed logs why the listener stopped, unless it was told to.
 func (c *Engine) listenFailed(ctx context.Context, step string, err error) {
-	if ctx.Err() == nil {
+	switch {
+	case ctx.Err() != nil:
+	case errors.Is(err, errOtherSession):
+		c.config.Logger.Warn("pgidem: listener stopped; waiters poll", "step", step, "error", err.Error())
+	default:
 		c.config.Logger.Debug("pgidem: listener stopped; waiters poll", "step", step, "error", err.Error())
 	}
 }
 
+// maxInterestLocks bounds the interest locks a listener holds (they share the server's
+// lock table with every session); waiters of further keys poll.
+const maxInterestLocks = 512
+
 // next brings held up to date with the keys waited for. When they changed it returns the
 // keys to lock and unlock (and a nil wait); otherwise a context for the next wait, which
-// a change of keys cancels, and its cancel function.
+// a change of keys cancels, and its cancel function. Once ctx ended it returns ctx as the
+// wait and touches nothing: the keys are its successor's.
 func (l *listener) next(ctx context.Context, held map[string]*interest) (lock, unlock []*interest, wait context.Context, stop context.CancelFunc) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if ctx.Err() != nil {
+		return nil, nil, ctx, func() {}
+	}
 	if !l.changed {
 		wait, stop = context.WithCancel(ctx)
 		l.wait = stop
@@ -179,7 +196,7 @@ func (l *listener) next(ctx context.Context, held map[string]*interest) (lock, u
 	}
 	l.changed = false
 	for payload, in := range l.waiters {
-		if held[payload] == nil {
+		if held[payload] == nil && len(held) < maxInterestLocks {
 			held[payload] = in
 			lock = append(lock, in)
 		}
@@ -193,8 +210,13 @@ func (l *listener) next(ctx context.Context, held map[string]*interest) (lock, u
 	return lock, unlock, nil, nil
 }
 
-// lockInterest takes the interest locks of lock and gives up those of unlock.
-func lockInterest(ctx context.Context, conn *pgx.Conn, lock, unlock []*interest) error {
+// errOtherSession means an interest statement reached another server session than the
+// listener's: a transaction-pooling proxy is in between.
+var errOtherSession = errors.New("pgidem: the listener's statements reach another server session (a transaction-pooling proxy?); set Config.PollOnly")
+
+// lockInterest takes the interest locks of lock and gives up those of unlock, in the
+// session of backend pid.
+func lockInterest(ctx context.Context, conn *pgx.Conn, pid uint32, lock, unlock []*interest) error {
 	for _, step := range []struct {
 		sql  string
 		keys []*interest
@@ -206,8 +228,12 @@ func lockInterest(ctx context.Context, conn *pgx.Conn, lock, unlock []*interest)
 		for i, in := range step.keys {
 			namespaces[i], keys[i] = in.namespace, in.key
 		}
-		if _, err := conn.Exec(ctx, step.sql, namespaces, keys); err != nil {
+		var same bool
+		if err := conn.QueryRow(ctx, step.sql, namespaces, keys, pid).Scan(&same); err != nil {
 			return err
+		}
+		if !same {
+			return errOtherSession
 		}
 	}
 	return nil

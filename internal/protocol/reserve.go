@@ -114,8 +114,8 @@ var errReadAgain = errors.New("pgidem: read the key again")
 func (c *Engine) readOrReserve(ctx context.Context, cl *Call, skipRead bool, acq *acquisition) (r store.Row, held *pgxpool.Conn, err error) {
 	err = pgx.ErrNoRows
 	if !skipRead {
-		// A plain indexed read first: replays and in-progress checks, the paths that must
-		// stay cheap, cost one read and never write.
+		// A plain indexed read first: a replay, the path that must stay cheap, costs one
+		// read (a record in progress or expired, two); reads never write.
 		r, err = c.probe(ctx, cl)
 		// The store answered. From here on a failure is not "unreachable": the
 		// reserving insert may be blocked behind another transaction's uncommitted

@@ -37,10 +37,13 @@ func TestFinishNotifiesOnlyWaitedKeys(t *testing.T) {
 			time.Hour.Microseconds()).Scan(&notified))
 		return notified
 	}
+	var pid uint32
+	require.NoError(t, listener.QueryRow(ctx, store.BackendPID).Scan(&pid))
 	lock := func(stmt, key string) {
 		t.Helper()
-		_, err := listener.Exec(ctx, stmt, []string{"mail"}, []string{key})
-		require.NoError(t, err)
+		var same bool
+		require.NoError(t, listener.QueryRow(ctx, stmt, []string{"mail"}, []string{key}, pid).Scan(&same))
+		require.True(t, same)
 	}
 
 	require.False(t, complete("nobody-waits"))
@@ -64,6 +67,12 @@ func TestFinishNotifiesOnlyWaitedKeys(t *testing.T) {
 	require.NoError(t, db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'
 		AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`).Scan(&locks))
 	require.Zero(t, locks, "the finishing statement's try holds nothing")
+
+	// In another session (as behind a transaction-pooling proxy) the statements lock nothing.
+	var same bool
+	require.NoError(t, db.Pool.QueryRow(ctx, store.LockInterest, []string{"mail"}, []string{"elsewhere"}, pid).Scan(&same))
+	require.False(t, same)
+	require.False(t, complete("elsewhere"))
 }
 
 // A schema whose channel name would be too long notifies nothing; its statements still run.
@@ -73,6 +82,7 @@ func TestChannelTooLong(t *testing.T) {
 	require.Equal(t, "pgidem.billing", store.Channel("billing"))
 	long := strings.Repeat("s", 60)
 	require.Empty(t, store.Channel(long))
+	require.Empty(t, store.Channel(`odd\name`), "a backslash would change the literal under standard_conforming_strings off")
 	require.NotContains(t, store.New(long).Complete, "pg_notify")
 	require.Contains(t, store.New("billing").Complete, `pg_notify('pgidem.billing'`)
 }

@@ -61,9 +61,10 @@ bench:
 	$(GO) test -run '^$$' -bench 'BenchmarkWakeup' -benchtime 100x ./pgidem/
 
 ## bench-scale: p99 of 16 callers with 10 million records (PGIDEM_SCALE_RECORDS) beside
-## 10 thousand, and while a sweep of a million expired records runs; SCALE_COUNT runs.
+## 10 thousand, and while a sweep of a million expired records runs; then the table's size
+## after 10 minutes of churn (PGIDEM_CHURN_DURATION). SCALE_COUNT runs, about 14 min each.
 bench-scale:
-	$(GO) test -run '^$$' -bench 'BenchmarkScale|BenchmarkSweepLoad' -benchtime 1x -count $(SCALE_COUNT) -timeout 90m ./pgidem/ | tee bench-scale.txt
+	$(GO) test -run '^$$' -bench 'BenchmarkScale|BenchmarkSweepLoad|BenchmarkChurn' -benchtime 1x -count $(SCALE_COUNT) -timeout 90m ./pgidem/ | tee bench-scale.txt
 	$(GO) run ./internal/benchsql/benchratio bench-scale.txt
 
 ## bench-micro: pgidem's other benchmarks (BenchmarkDo, BenchmarkDoConcurrent, DoTx).

@@ -256,3 +256,109 @@ func BenchmarkSweepLoad(b *testing.B) {
 	b.ReportMetric(during/alone-1, "p99-increase")
 	b.ReportMetric(float64(swept)/sweepTime.Seconds(), "sweep-rows/s")
 }
+
+// churnDuration returns how long BenchmarkChurn runs: PGIDEM_CHURN_DURATION, default 10
+// minutes.
+func churnDuration(b *testing.B) time.Duration {
+	s := os.Getenv("PGIDEM_CHURN_DURATION")
+	if s == "" {
+		return 10 * time.Minute
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil || d < time.Minute {
+		b.Fatalf("PGIDEM_CHURN_DURATION=%q: want a duration of at least 1m", s)
+	}
+	return d
+}
+
+// BenchmarkChurn measures what steady churn leaves in the table: fresh keys at 500 calls
+// per second with a 30 s TTL, a sweep every 5 s at its default pace, and autovacuum as
+// the server is configured, for PGIDEM_CHURN_DURATION (default 10 minutes). It reports
+// the table's size (with its indexes and TOAST) over the size of a packed copy of its live
+// records with the same indexes (size-ratio), the live records, and the autovacuum runs.
+//
+//	make bench-scale
+func BenchmarkChurn(b *testing.B) {
+	const (
+		rate = 500 // calls per second
+		ttl  = 30 * time.Second
+	)
+	db := testdb.New(b)
+	pool := db.NewPool(b, 32)
+	coord, err := pgidem.NewCoordinator(pool, &pgidem.Config{Lease: 5 * time.Second, MinTTL: 10 * time.Second})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), churnDuration(b))
+	defer cancel()
+	fn := func(context.Context) (string, error) { return "em_1", nil }
+	prefix := benchsql.KeyPrefix()
+	var seq atomic.Int64
+	var swept int64
+	var wg sync.WaitGroup
+	wg.Go(func() { // the callers, paced
+		tick := time.NewTicker(time.Second / rate)
+		defer tick.Stop()
+		sem := make(chan struct{}, scaleCallers)
+		var calls sync.WaitGroup
+		defer calls.Wait()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+			sem <- struct{}{}
+			calls.Go(func() {
+				defer func() { <-sem }()
+				_, err := pgidem.Do(context.WithoutCancel(ctx), coord, "churn", prefix+strconv.FormatInt(seq.Add(1), 10), ttl, nil, fn)
+				if err != nil {
+					b.Error(err)
+				}
+			})
+		}
+	})
+	wg.Go(func() { // the sweeper
+		tick := time.NewTicker(5 * time.Second)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+			res, err := coord.Sweep(ctx, nil)
+			swept += res.Records
+			if err != nil && ctx.Err() == nil {
+				b.Error(err)
+			}
+		}
+	})
+	wg.Wait()
+
+	bg := context.Background()
+	var total, live int64
+	var autovacuums int64
+	if err := pool.QueryRow(bg, `SELECT pg_total_relation_size('pgidem_record'),
+			(SELECT autovacuum_count FROM pg_stat_user_tables WHERE relid = 'pgidem_record'::regclass)`).Scan(&total, &autovacuums); err != nil {
+		b.Fatal(err)
+	}
+	var liveRecords int64
+	for _, stmt := range []string{
+		`CREATE TABLE churn_live (LIKE pgidem_record INCLUDING INDEXES)`,
+		`INSERT INTO churn_live SELECT * FROM pgidem_record WHERE expires_at > now()`,
+	} {
+		tag, err := pool.Exec(bg, stmt)
+		if err != nil {
+			b.Fatal(err)
+		}
+		liveRecords += tag.RowsAffected()
+	}
+	if err := pool.QueryRow(bg, `SELECT pg_total_relation_size('churn_live')`).Scan(&live); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportMetric(float64(total)/float64(live), "size-ratio")
+	b.ReportMetric(float64(liveRecords), "live-records")
+	b.ReportMetric(float64(autovacuums), "autovacuums")
+	b.ReportMetric(float64(swept), "swept-rows")
+}

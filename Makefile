@@ -10,7 +10,7 @@ TEST_FLAGS    ?=
 BENCH         ?= .
 BENCH_COUNT   ?= 6
 FLOOR_COUNT   ?= 5
-SCALE_COUNT   ?= 3
+SCALE_COUNT   ?= 1
 FUZZTIME      ?= 30s
 FUZZ_TARGETS  := FuzzKey FuzzResultRoundTrip FuzzInboxPayload
 
@@ -62,7 +62,8 @@ bench:
 
 ## bench-scale: p99 of 16 callers with 10 million records (PGIDEM_SCALE_RECORDS) beside
 ## 10 thousand, and while a sweep of a million expired records runs; then the table's size
-## after 10 minutes of churn (PGIDEM_CHURN_DURATION). SCALE_COUNT runs, about 14 min each.
+## after 10 minutes of churn (PGIDEM_CHURN_DURATION), with autovacuum's defaults and tuned.
+## SCALE_COUNT runs, about 25 minutes each.
 bench-scale:
 	$(GO) test -run '^$$' -bench 'BenchmarkScale|BenchmarkSweepLoad|BenchmarkChurn' -benchtime 1x -count $(SCALE_COUNT) -timeout 90m ./pgidem/ | tee bench-scale.txt
 	$(GO) run ./internal/benchsql/benchratio bench-scale.txt

@@ -9,11 +9,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgidem/pgidem/internal/pgcluster"
-	"github.com/pgidem/pgidem/migrations"
 	"github.com/pgidem/pgidem/pgidem"
 )
 
@@ -34,19 +32,8 @@ const (
 // Were an effect to run twice, its record must say so (attempts 2 or more).
 func TestServerRestartRunsNoEffectTwice(t *testing.T) {
 	t.Parallel()
-	cluster := pgcluster.Start(t)
+	cluster, pool := clusterPool(t, restartWorkers+4)
 	ctx := context.Background()
-	db, err := migrations.OpenDB(cluster.URL(), "")
-	require.NoError(t, err)
-	_, err = migrations.Up(ctx, db, nil)
-	require.NoError(t, err)
-	require.NoError(t, db.Close())
-	cfg, err := pgxpool.ParseConfig(cluster.URL())
-	require.NoError(t, err)
-	cfg.MaxConns = restartWorkers + 4
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
 	coord, err := pgidem.NewCoordinator(pool, nil)
 	require.NoError(t, err)
 

@@ -15,9 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/pgidem/internal/benchsql"
-	"github.com/pgidem/pgidem/internal/pgcluster"
 	"github.com/pgidem/pgidem/internal/testdb"
-	"github.com/pgidem/pgidem/migrations"
 	"github.com/pgidem/pgidem/pgidem"
 )
 
@@ -259,34 +257,6 @@ func BenchmarkSweepLoad(b *testing.B) {
 	b.ReportMetric(float64(swept)/sweepTime.Seconds(), "sweep-rows/s")
 }
 
-// throwawayPool starts a cluster of b's own, migrates it and returns a pool of 32
-// connections on it.
-func throwawayPool(b *testing.B) *pgxpool.Pool {
-	ctx := context.Background()
-	cluster := pgcluster.Start(b)
-	db, err := migrations.OpenDB(cluster.URL(), "")
-	if err != nil {
-		b.Fatal(err)
-	}
-	if _, err := migrations.Up(ctx, db, nil); err != nil {
-		b.Fatal(err)
-	}
-	if err := db.Close(); err != nil {
-		b.Fatal(err)
-	}
-	cfg, err := pgxpool.ParseConfig(cluster.URL())
-	if err != nil {
-		b.Fatal(err)
-	}
-	cfg.MaxConns = 32
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(pool.Close)
-	return pool
-}
-
 // churnDuration returns how long BenchmarkChurn runs: PGIDEM_CHURN_DURATION, default 10
 // minutes.
 func churnDuration(b *testing.B) time.Duration {
@@ -304,7 +274,7 @@ func churnDuration(b *testing.B) time.Duration {
 // BenchmarkChurn measures what steady churn leaves in the table: fresh keys at 500 calls
 // per second with a 30 s TTL, a sweep every 5 s at its default pace, and autovacuum, for
 // PGIDEM_CHURN_DURATION (default 10 minutes). The server is a throwaway cluster of its own
-// (internal/pgcluster), so its autovacuum settings are known whatever the shared test
+// (clusterPool), so its autovacuum settings are known whatever the shared test
 // server's are: Postgres's defaults, or tuned (autovacuum_naptime 10 s, and on
 // pgidem_record autovacuum_vacuum_scale_factor 0.02). It reports the table's size (with its
 // indexes and TOAST) over the size of a packed copy of its live records with the same
@@ -333,7 +303,7 @@ func churn(b *testing.B, tuned bool) {
 		rate = 500 // calls per second
 		ttl  = 30 * time.Second
 	)
-	pool := throwawayPool(b)
+	_, pool := clusterPool(b, 32)
 	if tuned {
 		for _, stmt := range churnTuning {
 			if _, err := pool.Exec(context.Background(), stmt); err != nil {

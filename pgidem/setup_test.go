@@ -19,9 +19,31 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgidem/pgidem/internal/pgcluster"
 	"github.com/pgidem/pgidem/internal/testdb"
+	"github.com/pgidem/pgidem/migrations"
 	"github.com/pgidem/pgidem/pgidem"
 )
+
+// clusterPool starts a throwaway cluster of tb's own (internal/pgcluster), migrates it and
+// returns it with a pool of at most maxConns connections on it, closed at cleanup.
+func clusterPool(tb testing.TB, maxConns int32) (*pgcluster.Cluster, *pgxpool.Pool) {
+	tb.Helper()
+	ctx := context.Background()
+	cluster := pgcluster.Start(tb)
+	db, err := migrations.OpenDB(cluster.URL(), "")
+	require.NoError(tb, err)
+	_, err = migrations.Up(ctx, db, nil)
+	require.NoError(tb, err)
+	require.NoError(tb, db.Close())
+	cfg, err := pgxpool.ParseConfig(cluster.URL())
+	require.NoError(tb, err)
+	cfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(tb, err)
+	tb.Cleanup(pool.Close)
+	return cluster, pool
+}
 
 // testTTL is a TTL valid under testConfig's MinTTL.
 const testTTL = time.Hour

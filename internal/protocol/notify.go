@@ -26,6 +26,10 @@ import (
 // burst of waits does not open a connection for each.
 const listenLinger = 200 * time.Millisecond
 
+// listenRetry is how long after a listener failed (its connection broke, the server
+// restarted) no new one is started; the next waiter after it starts one.
+const listenRetry = time.Second
+
 // listener wakes this engine's waiters when another process (or this one) notifies that
 // their key's record was finished.
 type listener struct {
@@ -37,6 +41,7 @@ type listener struct {
 	done    chan struct{}
 	idle    *time.Timer // stops the listener once it has lingered without waiters
 	idleGen uint64      // counts idle timers: a timer stops the listener only if still current
+	retryAt time.Time   // after a listener failed: no new one before then
 }
 
 // interest is one key's waiters.
@@ -63,9 +68,10 @@ func (c *Engine) wakeOn(cl *Call) (<-chan struct{}, func()) {
 		l.idle.Stop()
 		l.idle = nil
 	}
-	if l.stop == nil {
+	if l.stop == nil && !time.Now().Before(l.retryAt) {
 		ctx, stop := context.WithCancel(context.Background())
 		l.stop, l.done = stop, make(chan struct{})
+		l.changed = true // the new listener locks every key waited for
 		go c.listen(ctx, l.done)
 	}
 	in := l.waiters[payload]
@@ -123,6 +129,7 @@ func (l *listener) stopIdle(gen uint64) {
 // listen or lock, waiters poll; its locks end with its connection.
 func (c *Engine) listen(ctx context.Context, done chan struct{}) {
 	defer close(done)
+	defer c.listener.ended(ctx, done)
 	conn, err := pgx.ConnectConfig(ctx, c.pool.Config().ConnConfig.Copy())
 	if err != nil {
 		c.listenFailed(ctx, "connect", err)
@@ -162,6 +169,26 @@ func (c *Engine) listen(ctx context.Context, done chan struct{}) {
 			return // stopped, or the connection failed: waiters poll
 		}
 	}
+}
+
+// ended forgets the listener whose goroutine closes done when it stopped on its own (its
+// ctx not cancelled): a waiter from listenRetry on starts a new one, and meanwhile the
+// waiters poll.
+func (l *listener) ended(ctx context.Context, done chan struct{}) {
+	if ctx.Err() != nil {
+		return // stopped (stopIdle)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.done != done {
+		return
+	}
+	l.stop()
+	if l.idle != nil {
+		l.idle.Stop()
+	}
+	l.stop, l.done, l.idle, l.wait = nil, nil, nil, nil
+	l.retryAt = time.Now().Add(listenRetry)
 }
 
 // listenFailed logs why the listener stopped, unless it was told to.

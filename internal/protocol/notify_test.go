@@ -15,8 +15,9 @@ func listenerDone(c *Engine) chan struct{} {
 }
 
 // The listener locks the key a waiter registers for; when its connection is terminated
-// it stops (the waiters poll) instead of retrying a dead connection, and a key's last
-// waiter leaving gives its lock up.
+// it stops (the waiters poll) instead of retrying a dead connection, and a waiter that
+// comes listenRetry later starts a new one, which locks every key waited for. A key's
+// last waiter leaving gives its lock up.
 func TestListenerLocksKeysAndStopsWithItsConnection(t *testing.T) {
 	t.Parallel()
 	c, db := batchFixture(t)
@@ -52,6 +53,17 @@ func TestListenerLocksKeysAndStopsWithItsConnection(t *testing.T) {
 		t.Fatal("the listener kept going on a terminated connection")
 	}
 	require.Eventually(t, func() bool { return interestLocks() == 0 }, 10*time.Second, 5*time.Millisecond)
+	require.Nil(t, listenerDone(c), "a failed listener is forgotten")
+
+	cl3, err := c.newCall("ns", "k3", time.Hour, nil)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { // a waiter after listenRetry starts a new listener
+		_, unregister3 := c.wakeOn(cl3)
+		defer unregister3()
+		return listenerDone(c) != nil
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Eventually(t, func() bool { return interestLocks() == 1 }, 10*time.Second, 5*time.Millisecond,
+		"the new listener locks the key still waited for")
 	unregister()
 	// With no waiter left it lingers and is stopped; a new waiter starts a new listener.
 	require.Eventually(t, func() bool { return listenerDone(c) == nil }, 10*time.Second, 5*time.Millisecond)

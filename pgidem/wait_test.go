@@ -132,8 +132,8 @@ func TestPollIntervalBounded(t *testing.T) {
 	require.NoError(t, err)
 	_, err = pgidem.Do(b.ctx, coord, "mail", "k", testTTL, nil, func(context.Context) (int, error) { return 1, nil })
 	require.ErrorIs(t, err, pgidem.ErrInProgress)
-	// A read of a record in progress is two statements, and the waiter's listener (a
-	// connection with the pool's settings, so the same tracer) sends its LISTEN and lock:
-	// a hot loop would send thousands.
+	// The first read of a record in progress is two statements, and the waiter's listener
+	// (a connection with the pool's settings, so the same tracer) sends its LISTEN and
+	// lock: a hot loop would send thousands.
 	require.Less(t, counter.n.Load(), int64(10), "the waiter sent %d statements", counter.n.Load())
 }

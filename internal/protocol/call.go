@@ -26,6 +26,9 @@ type Call struct {
 	// attempt; reconciled is set when it found the effect.
 	reconcile  Reconciler
 	reconciled bool
+	// readInFull is set once a read found the record unfinished (in progress, expired):
+	// the call's next reads, a waiter's polls, skip the replay's slim read.
+	readInFull bool
 	// lost is set when the finishing write found the reservation taken over.
 	lost bool
 	// notStored is set when fn's value or permanent failure could not be stored.

@@ -115,7 +115,8 @@ func (c *Engine) readOrReserve(ctx context.Context, cl *Call, skipRead bool, acq
 	err = pgx.ErrNoRows
 	if !skipRead {
 		// A plain indexed read first: a replay, the path that must stay cheap, costs one
-		// read (a record in progress or expired, two); reads never write.
+		// read (a record in progress or expired, two; a waiter's polls, one); reads
+		// never write.
 		r, err = c.probe(ctx, cl)
 		// The store answered. From here on a failure is not "unreachable": the
 		// reserving insert may be blocked behind another transaction's uncommitted
@@ -161,7 +162,8 @@ func (c *Engine) readOrReserve(ctx context.Context, cl *Call, skipRead bool, acq
 }
 
 // probe reads what deciding and replaying need of cl's record: what a replay needs in
-// one read, and a record that is not finished (in progress, expired) in full by a second.
+// one read, and a record that is not finished (in progress, expired) in full by a second;
+// once cl found one so, its later reads (a waiter's polls) are the full read alone.
 // It is bounded like the reserving write: a pool with no connection to spare (its holders
 // waiting on each other) fails the call instead of blocking it for as long as ctx allows,
 // which may be for ever.
@@ -174,9 +176,12 @@ func (c *Engine) probe(ctx context.Context, cl *Call) (store.Row, error) {
 		return r, err
 	}
 	defer conn.Release()
-	var finished bool
-	err = conn.QueryRow(pctx, c.sql.Probe, cl.namespace, cl.key).Scan(r.ProbeTargets(&finished)...)
+	finished := false
+	if !cl.readInFull {
+		err = conn.QueryRow(pctx, c.sql.Probe, cl.namespace, cl.key).Scan(r.ProbeTargets(&finished)...)
+	}
 	if err == nil && !finished {
+		cl.readInFull = true
 		r = store.Row{} // a row deleted meanwhile reads as none: pgx.ErrNoRows
 		err = conn.QueryRow(pctx, c.sql.Lookup, cl.namespace, cl.key).Scan(r.ScanTargets(false)...)
 	}

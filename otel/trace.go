@@ -50,7 +50,7 @@ const (
 	// KeyAttribute holds the idempotency key (the message id for inbox calls), only with
 	// [WithKeys].
 	KeyAttribute = "pgidem.key"
-	// RoundAttribute holds a shared round's kind: "reserve" or "complete".
+	// RoundAttribute holds a shared round's kind: "reserve", "complete" or "read".
 	RoundAttribute = "pgidem.round"
 	// DBSystemAttribute is OpenTelemetry's semantic-convention attribute for the database
 	// system; its value is always "postgresql".

@@ -178,17 +178,18 @@ type Config struct {
 	// again. Default [FinishTimeoutDefault] (10 s), minimum [FinishTimeoutMin] (100 ms).
 	FinishTimeout time.Duration
 
-	// MaxBatch is the most calls one reserving insert, or one completing write, carries.
-	// Concurrent calls may reach either write while the coordinator already has one in
-	// flight. They queue and share the next statement: one round trip and one commit for
-	// many keys, in a transaction of its own with a 50 ms lock_timeout. A batch that waits
-	// longer on one key, or that the server refuses, rolls back and its calls run one by
-	// one. A call that finds none in flight runs alone at once (its statement still under
-	// that lock_timeout), so batching adds no latency without concurrency. A completing
-	// write also stops taking calls once their results add up to MaxValueBytes (the first
-	// always goes), so large results do not pile up in one statement. The protocol and its guarantees are the same either
-	// way. Default [MaxBatchDefault] (64); 1 turns batching off: every call sends its own
-	// statements, without the lock_timeout.
+	// MaxBatch is the most calls one reserving insert, one completing write, or one read
+	// that starts calls carries. Concurrent calls may reach any of them while the
+	// coordinator already has one in flight. They queue and share the next statement: one
+	// round trip for many keys and, for a write, one commit. A shared write runs in a
+	// transaction of its own with a 50 ms lock_timeout: one that waits longer on one key,
+	// or that the server refuses, rolls back and its calls run one by one (a refused read
+	// too). A call that finds none in flight runs alone at once (a write still under that
+	// lock_timeout), so batching adds no latency without concurrency. A completing write
+	// also stops taking calls once their results add up to MaxValueBytes (the first always
+	// goes), so large results do not pile up in one statement. The protocol and its
+	// guarantees are the same either way. Default [MaxBatchDefault] (64); 1 turns batching
+	// off: every call sends its own statements, without the lock_timeout.
 	MaxBatch int
 
 	// Order chooses the statement a [Do] call starts with (DoTx and DoInTx read under an

@@ -299,10 +299,11 @@
 // # Shared statements (batching)
 //
 // A [Coordinator] is safe for concurrent use and holds no connection between statements.
-// Concurrent calls may reach the reserving insert or the completing update while the
-// coordinator already has one in flight. They then share the next statement: one round
-// trip and one commit for up to [Config.MaxBatch] keys. A call that finds none in flight
-// runs at once, alone; the protocol is the same either way. Under load from many goroutines
+// Concurrent calls may reach the read that starts a call, the reserving insert or the
+// completing update while the coordinator already has one in flight. They then share the
+// next statement: one round trip (and, for the writes, one commit) for up to
+// [Config.MaxBatch] keys. A call that finds none in flight runs at once, alone; the
+// protocol is the same either way. Under load from many goroutines
 // (a River queue, an HTTP server) this multiplies throughput; docs/performance.md has the
 // figures.
 //

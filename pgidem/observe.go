@@ -27,8 +27,8 @@ type CallHook interface {
 }
 
 // RoundHook is implemented by a [Hook] that also observes the shared statements (the
-// package doc's "Shared statements"): every round of reserving inserts and of completing writes,
-// once its statement returned. [NewCoordinator] checks [Config.Hook] for it. OnRound is
+// package doc's "Shared statements"): every round of reserving inserts, of completing
+// writes and of first reads, once its statement returned. [NewCoordinator] checks [Config.Hook] for it. OnRound is
 // called on the round leader's goroutine with the leader's context (detached from its
 // cancellation): fast and safe for concurrent use.
 type RoundHook interface {
@@ -90,7 +90,8 @@ type CallEnd struct {
 
 // Round describes one shared round.
 type Round struct {
-	// Kind is "reserve" (reserving inserts) or "complete" (completing writes).
+	// Kind is "reserve" (reserving inserts), "complete" (completing writes) or "read"
+	// (the reads that start calls).
 	Kind string
 	// Size is the number of calls the round's statement carried (1 to [Config.MaxBatch]).
 	Size int

@@ -38,7 +38,7 @@ type Settings struct {
 	Logger   *slog.Logger
 	// Emit receives every event; nil: none.
 	Emit func(ctx context.Context, kind EventKind, namespace string, count int64)
-	// Round receives every shared round (RoundReserve, RoundComplete) once its statement
+	// Round receives every shared round (RoundReserve, RoundComplete, RoundRead) once its statement
 	// returned: how many calls it carried, its latency and its error; nil: none. ctx is
 	// the round leader's (detached from its cancellation).
 	Round func(ctx context.Context, kind RoundKind, size int, latency time.Duration, err error)
@@ -53,6 +53,8 @@ const (
 	RoundReserve RoundKind = "reserve"
 	// RoundComplete is a round of completing (or failing) writes.
 	RoundComplete RoundKind = "complete"
+	// RoundRead is a round of the reads that start calls.
+	RoundRead RoundKind = "read"
 )
 
 // Engine runs the protocol against one pool. It holds no connection between calls and is
@@ -64,6 +66,7 @@ type Engine struct {
 
 	reserves  *batcher[reserveReq, store.Row] // reserving inserts (round.go)
 	completes *batcher[completeReq, struct{}] // completing writes (round.go)
+	reads     *batcher[*Call, readRes]        // first reads (read.go)
 
 	listener listener // wakes waiters on notifications (notify.go)
 	channel  string   // the notification channel of the engine's records
@@ -100,6 +103,12 @@ func New(pool *pgxpool.Pool, s Settings) *Engine {
 			c.runCompletes(ctx, append([]*batchItem[completeReq, struct{}]{leader}, take(0)...))
 		},
 		size: func(r completeReq) int { return len(r.Result) + len(r.Failure) }, maxBytes: s.MaxValueBytes}
+	// Reads run two rounds at once: a read waits for no WAL flush, so a second round keeps
+	// the server busy while the first one's calls go on. The writes keep one: their commits
+	// queue for the same flush, and more rounds in flight only split them into smaller
+	// ones. Nothing was sent for a queued read: its caller may go.
+	c.reads = &batcher[*Call, readRes]{max: s.MaxBatch, rounds: 2, run: c.leadReads,
+		leave: func(ctx context.Context) error { return ctx.Err() }}
 	return c
 }
 

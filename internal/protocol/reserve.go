@@ -161,33 +161,6 @@ func (c *Engine) readOrReserve(ctx context.Context, cl *Call, skipRead bool, acq
 	return r, held, nil
 }
 
-// probe reads what deciding and replaying need of cl's record: what a replay needs in
-// one read, and a record that is not finished (in progress, expired) in full by a second;
-// once cl found one so, its later reads (a waiter's polls) are the full read alone.
-// It is bounded like the reserving write: a pool with no connection to spare (its holders
-// waiting on each other) fails the call instead of blocking it for as long as ctx allows,
-// which may be for ever.
-func (c *Engine) probe(ctx context.Context, cl *Call) (store.Row, error) {
-	var r store.Row
-	pctx, cancel := context.WithTimeout(ctx, c.config.FinishTimeout)
-	defer cancel()
-	conn, err := c.poolConn(pctx)
-	if err != nil {
-		return r, err
-	}
-	defer conn.Release()
-	finished := false
-	if !cl.readInFull {
-		err = conn.QueryRow(pctx, c.sql.Probe, cl.namespace, cl.key).Scan(r.ProbeTargets(&finished)...)
-	}
-	if err == nil && !finished {
-		cl.readInFull = true
-		r = store.Row{} // a row deleted meanwhile reads as none: pgx.ErrNoRows
-		err = conn.QueryRow(pctx, c.sql.Lookup, cl.namespace, cl.key).Scan(r.ScanTargets(false)...)
-	}
-	return r, err
-}
-
 // takeOver takes over r, an expired record or a record whose lease expired. done is true
 // when acquire returns: holding the reservation, or with err. false means another caller
 // was first (or the row changed): read the key again.

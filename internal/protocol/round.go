@@ -23,19 +23,22 @@ type batchItem[Req, Res any] struct {
 	req    Req
 	res    Res
 	err    error
-	wake   chan bool // receives false when res and err are set, true when this caller leads the next round
+	wake   chan bool // made when it queues; receives false when res and err are set, true when it leads the next round
 	queued time.Time // when it joined the queue
 }
 
-// batcher groups concurrent requests for one statement. At most one round runs at a time:
-// run is called by the leading caller with its own item, and calls take (at most once)
+// batcher groups concurrent requests for one statement. At most rounds rounds run at a
+// time (one when rounds is 0): run is called by the leading caller with its own item, and calls take (at most once)
 // when it is about to send, for the queued requests the round carries (take(d) with d > 0
 // takes only those queued for d or longer); it sets the leader's and each taken item's
 // res or err. An item left with errBatchFallback runs
 // alone. Requests run does not take stay queued, and the next of them leads a round.
 type batcher[Req, Res any] struct {
 	max int // the most requests a round carries; 1: every call runs alone, at once
-	run func(ctx context.Context, leader *batchItem[Req, Res], take func(waited time.Duration) []*batchItem[Req, Res])
+	// rounds is the most rounds running at once; 0 counts as 1. A caller that finds fewer
+	// running leads one at once.
+	rounds int
+	run    func(ctx context.Context, leader *batchItem[Req, Res], take func(waited time.Duration) []*batchItem[Req, Res])
 
 	// leave, when set, lets a queued caller whose context ends before a round took it
 	// leave the queue (nothing was sent for it): do then returns leave(ctx).
@@ -48,9 +51,9 @@ type batcher[Req, Res any] struct {
 	size     func(Req) int
 	maxBytes int
 
-	mu    sync.Mutex
-	busy  bool                   // a round is running
-	queue []*batchItem[Req, Res] // callers waiting for the next round; empty when !busy
+	mu      sync.Mutex
+	running int                    // rounds running
+	queue   []*batchItem[Req, Res] // callers waiting for the next round; empty unless all rounds run
 }
 
 // do queues req and returns its outcome once a round carried it. A caller taken into a
@@ -60,14 +63,14 @@ type batcher[Req, Res any] struct {
 // rounds ahead of it (one, unless more than max callers, or more than the byte budget, are
 // queued) and then its own.
 func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
-	it := &batchItem[Req, Res]{req: req, err: errBatchFallback, wake: make(chan bool, 1)}
+	it := &batchItem[Req, Res]{req: req, err: errBatchFallback}
 	if b.max <= 1 {
 		b.run(ctx, it, func(time.Duration) []*batchItem[Req, Res] { return nil })
 		return it.res, it.err
 	}
 	b.mu.Lock()
-	if b.busy {
-		it.queued = time.Now()
+	if b.running >= max(b.rounds, 1) {
+		it.queued, it.wake = time.Now(), make(chan bool, 1)
 		b.queue = append(b.queue, it)
 		b.mu.Unlock()
 		lead, stayed := b.wait(ctx, it)
@@ -79,7 +82,7 @@ func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 			return it.res, it.err
 		}
 	} else {
-		b.busy = true
+		b.running++
 		b.mu.Unlock()
 	}
 
@@ -121,7 +124,7 @@ func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 			b.queue = slices.Delete(b.queue, 0, 1)
 			next.wake <- true
 		} else {
-			b.busy = false
+			b.running--
 		}
 		b.mu.Unlock()
 	}()
@@ -232,20 +235,8 @@ func (c *Engine) leadReserves(ctx context.Context, leader *batchItem[reserveReq,
 			it.err = pgx.ErrNoRows
 		}
 		err = c.inRound(ctx, conn, c.sql.ReserveMany, []any{namespaces, keys, owners, fingerprints, leases, ttls}, func(rows pgx.Rows) error {
-			var ord int64
 			var r store.Row
-			targets := append([]any{&ord}, r.ScanTargets(true)...)
-			for rows.Next() {
-				if err := rows.Scan(targets...); err != nil {
-					return err
-				}
-				if ord < 1 || ord > int64(n) {
-					return errors.New("pgidem: batch reserve returned an unknown ordinal")
-				}
-				it := items[ord-1]
-				it.res, it.err = r, nil
-			}
-			return rows.Err()
+			return scanOrdinals(rows, n, r.ScanTargets(true), func(i int) { items[i].res, items[i].err = r, nil })
 		})
 	}
 	c.observeRound(ctx, RoundReserve, len(items), time.Since(start), err)
@@ -354,6 +345,24 @@ func (c *Engine) inRound(ctx context.Context, q store.Executor, sql string, args
 		return err
 	}
 	rows.Close()
+	return rows.Err()
+}
+
+// scanOrdinals reads the rows of a round's array statement for n calls, whose first
+// column is the call's ordinal (from 1): it scans each row into targets and calls row with
+// the call's index.
+func scanOrdinals(rows pgx.Rows, n int, targets []any, row func(i int)) error {
+	var ord int64
+	targets = append([]any{&ord}, targets...)
+	for rows.Next() {
+		if err := rows.Scan(targets...); err != nil {
+			return err
+		}
+		if ord < 1 || ord > int64(n) {
+			return errors.New("pgidem: a round's statement returned an unknown ordinal")
+		}
+		row(int(ord - 1))
+	}
 	return rows.Err()
 }
 

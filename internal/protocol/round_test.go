@@ -99,7 +99,42 @@ func TestBatcherQueuesBehindARunningRound(t *testing.T) {
 		require.Equal(t, i*10, res)
 	}
 	require.Zero(t, b.queued())
-	require.False(t, b.busy, "the last round handed nothing on and left the batcher idle")
+	require.Zero(t, b.running, "the last round handed nothing on and left the batcher idle")
+}
+
+// With rounds 2, a second caller leads a round of its own while the first runs; only a
+// third queues, and the next round to end hands it the lead.
+func TestBatcherRunsUpToRoundsAtOnce(t *testing.T) {
+	release := make(chan struct{})
+	var inFlight, most atomic.Int32
+	b := &batcher[int, int]{max: 4, rounds: 2}
+	b.run = func(_ context.Context, leader *batchItem[int, int], take func(time.Duration) []*batchItem[int, int]) {
+		n := inFlight.Add(1)
+		defer inFlight.Add(-1)
+		for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
+		}
+		<-release
+		for _, it := range append([]*batchItem[int, int]{leader}, take(0)...) {
+			it.res, it.err = it.req*10, nil
+		}
+	}
+	var wg sync.WaitGroup
+	for i := range 3 {
+		wg.Go(func() {
+			res, err := b.do(context.Background(), i)
+			require.NoError(t, err)
+			require.Equal(t, i*10, res)
+		})
+		if i < 2 {
+			require.Eventually(t, func() bool { return inFlight.Load() == int32(i+1) }, 10*time.Second, time.Millisecond)
+		}
+	}
+	require.Eventually(t, func() bool { return b.queued() == 1 }, 10*time.Second, time.Millisecond)
+	require.EqualValues(t, 2, inFlight.Load())
+	close(release)
+	wg.Wait()
+	require.EqualValues(t, 2, most.Load(), "never more than two rounds at once")
+	require.Zero(t, b.running)
 }
 
 // A round takes queued requests only while their bytes fit the budget; the rest wait for
@@ -198,7 +233,7 @@ func TestBatcherPanickingRoundReleasesWaiters(t *testing.T) {
 	require.Eventually(t, func() bool {
 		b.mu.Lock()
 		defer b.mu.Unlock()
-		return !b.busy
+		return b.running == 0
 	}, 10*time.Second, time.Millisecond, "the batcher is free again")
 }
 
@@ -350,7 +385,7 @@ func TestRoundLeaderGivesUpWaitingForAConnection(t *testing.T) {
 	require.Eventually(t, func() bool { // leading: the batcher is busy, its round waits for the pool
 		c.reserves.mu.Lock()
 		defer c.reserves.mu.Unlock()
-		return c.reserves.busy
+		return c.reserves.running > 0
 	}, 10*time.Second, time.Millisecond)
 	leavingCtx, cancelLeaving := context.WithCancel(ctx)
 	leaving := reserveInBackground(leavingCtx, c, "leaving")
@@ -393,7 +428,7 @@ func TestRoundTimeoutFailsOnlyMembersThatWaitedAsLong(t *testing.T) {
 	require.Eventually(t, func() bool {
 		c.reserves.mu.Lock()
 		defer c.reserves.mu.Unlock()
-		return c.reserves.busy
+		return c.reserves.running > 0
 	}, 10*time.Second, time.Millisecond)
 	time.Sleep(700 * time.Millisecond) // the late caller queues in the leader's last 300 ms
 	late := reserveInBackground(ctx, c, "late")

@@ -13,6 +13,9 @@ type recordStatements struct {
 	// cap; Probe is the read that starts a call, Lookup the full read.
 	Reserve, Takeover, Heartbeat, Complete, Release, Park, Lookup, Probe, Forget string
 
+	// ProbeMany is Probe for many keys, as a round of reads sends it.
+	ProbeMany string
+
 	// The forms of Reserve and Complete that shared rounds send: for one key and for
 	// many (arrays), all under roundGuard.
 	ReserveRound, CompleteRound, ReserveMany, CompleteMany string
@@ -282,5 +285,18 @@ SELECT *, false FROM target WHERE NOT EXISTS (SELECT 1 FROM deleted)`),
 		// The read that starts a call: only what a replay needs, since a replay is this
 		// one statement (probeColumns).
 		Probe: r.Replace(`SELECT ` + probeColumns + ` FROM {t} WHERE namespace = $1 AND key = $2`),
+
+		// Probe for many keys: $1 and $2 are arrays, one element per call, and $3 and $4
+		// are 1 and their length. A row comes back, by ordinal, for each key that has a
+		// record; none for one that has not. The statement stays prepared, and Postgres
+		// may settle on a generic plan made for no particular arrays. The range on the
+		// ordinal, always true, makes that plan count on one element (the default
+		// selectivity of a range), so it looks each key up in the primary key from the
+		// same table size on as the single-key read does (a few pages), rather than
+		// hashing a scan of the table until the table outgrows a hundred arrays' worth.
+		ProbeMany: r.Replace(`SELECT i.ord, ` + probeColumns + `
+FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS i(namespace, key, ord)
+JOIN {t} r ON r.namespace = i.namespace AND r.key = i.key
+WHERE i.ord >= $3 AND i.ord <= $4`),
 	}
 }

@@ -1,0 +1,117 @@
+package protocol
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/pgidem/pgidem/internal/store"
+)
+
+// readRes is what the read found: the record (pgx.ErrNoRows as the item's error when there
+// is none) and whether it is finished.
+type readRes struct {
+	row      store.Row
+	finished bool
+}
+
+// probe reads what deciding and replaying need of cl's record: what a replay needs in
+// one read, and a record that is not finished (in progress, expired) in full by a second;
+// once cl found one so, its later reads (a waiter's polls) are the full read alone.
+// Concurrent first reads share a round (readRound). Each read, with its wait for a pool
+// connection, is bounded by FinishTimeout: a pool with no connection to spare (its holders
+// waiting on each other) fails the call instead of blocking it for as long as ctx allows,
+// which may be for ever.
+func (c *Engine) probe(ctx context.Context, cl *Call) (store.Row, error) {
+	if !cl.readInFull {
+		res, err := c.reads.do(ctx, cl)
+		if err == errBatchFallback {
+			res, err = c.readAlone(ctx, cl, false)
+		}
+		if err != nil || res.finished {
+			return res.row, err
+		}
+		cl.readInFull = true
+	}
+	res, err := c.readAlone(ctx, cl, true)
+	return res.row, err
+}
+
+// readAlone reads cl's record on a connection of its own: the slim read, or the full one
+// (Lookup) when full.
+func (c *Engine) readAlone(ctx context.Context, cl *Call, full bool) (readRes, error) {
+	rctx, cancel := context.WithTimeout(ctx, c.config.FinishTimeout)
+	defer cancel()
+	conn, err := c.poolConn(rctx)
+	if err != nil {
+		return readRes{}, err
+	}
+	defer conn.Release()
+	return c.readOn(rctx, conn, cl, full)
+}
+
+// readOn reads cl's record on q: the slim read, or the full one when full (which reports
+// the row as not finished, whatever it holds: the caller decides from the whole row).
+func (c *Engine) readOn(ctx context.Context, q store.Executor, cl *Call, full bool) (readRes, error) {
+	var res readRes
+	var err error
+	if full {
+		err = q.QueryRow(ctx, c.sql.Lookup, cl.namespace, cl.key).Scan(res.row.ScanTargets(false)...)
+	} else {
+		err = q.QueryRow(ctx, c.sql.Probe, cl.namespace, cl.key).Scan(res.row.ProbeTargets(&res.finished)...)
+	}
+	return res, err
+}
+
+// leadReads runs one round of first reads: the single-key read for one, the array read for
+// more. ctx is the leader's: the wait for a connection ends with it or after
+// FinishTimeout, as a read alone does, and sends nothing, so those queued stay queued for
+// the next of them to lead (a wait that outlasts FinishTimeout also fails the members
+// queued as long). A round of more than one runs on a context detached from the leader's
+// and bounded by FinishTimeout, so the leader's cancellation fails nobody else's read.
+// Any failure of such a round sends its members to reads of their own.
+func (c *Engine) leadReads(ctx context.Context, leader *batchItem[*Call, readRes], take func(time.Duration) []*batchItem[*Call, readRes]) {
+	rctx, cancel := context.WithTimeout(ctx, c.config.FinishTimeout)
+	defer cancel()
+	conn, err := c.poolConn(rctx)
+	if err != nil {
+		leader.err = err
+		if ctx.Err() == nil {
+			for _, it := range take(c.config.FinishTimeout) {
+				it.err = err
+			}
+		}
+		return
+	}
+	defer conn.Release()
+	members := take(0)
+	start := time.Now()
+	if len(members) == 0 {
+		leader.res, leader.err = c.readOn(rctx, conn, leader.req, false)
+		if err = leader.err; errors.Is(err, pgx.ErrNoRows) { // no record: the read succeeded
+			err = nil
+		}
+		c.observeRound(rctx, RoundRead, 1, time.Since(start), err)
+		return
+	}
+	items := append([]*batchItem[*Call, readRes]{leader}, members...)
+	dctx, dcancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
+	defer dcancel()
+	n := len(items)
+	namespaces, keys := make([]string, n), make([]string, n)
+	for i, it := range items {
+		namespaces[i], keys[i] = it.req.namespace, it.req.key
+		it.res, it.err = readRes{}, pgx.ErrNoRows
+	}
+	err = c.inRound(dctx, conn, c.sql.ProbeMany, []any{namespaces, keys, 1, n}, func(rows pgx.Rows) error {
+		var res readRes
+		return scanOrdinals(rows, n, res.row.ProbeTargets(&res.finished), func(i int) { items[i].res, items[i].err = res, nil })
+	})
+	c.observeRound(dctx, RoundRead, n, time.Since(start), err)
+	if err != nil {
+		for _, it := range items {
+			it.res, it.err = readRes{}, errBatchFallback
+		}
+	}
+}

@@ -111,7 +111,7 @@ func newCallInstruments(meter metric.Meter, o *options) (callInstruments, error)
 	}{
 		{&ci.wait, WaitMetric, "time pgidem calls took before their outcome: reservation, waits for another holder, replay"},
 		{&ci.fn, FnMetric, "duration of the effects (fn) pgidem ran"},
-		{&ci.roundDuration, RoundDurationMetric, "latency of pgidem's shared reserving and completing statements"},
+		{&ci.roundDuration, RoundDurationMetric, "latency of pgidem's shared reading, reserving and completing statements"},
 	} {
 		*h.dst, err = meter.Float64Histogram(h.name, metric.WithUnit("s"), metric.WithDescription(h.desc),
 			metric.WithExplicitBucketBoundaries(durationBuckets...))

@@ -171,7 +171,9 @@ type Config struct {
 	// than one round takes. One whose round was refused then runs alone; each is bounded by
 	// FinishTimeout. So a cancelled caller can wait about two to three times FinishTimeout,
 	// or more behind a long queue, when the store is stuck; its heartbeat renews the lease
-	// meanwhile.
+	// meanwhile. A read that shares a round waits likewise for the rounds ahead, but
+	// leaves the queue when its context ends; its round, and its own read if the round
+	// failed, are each bounded by FinishTimeout.
 	//
 	// Keep it well above the store's round trip and lock waits: a finishing write cut
 	// short leaves the record in progress until its lease ends, and the effect then runs
@@ -180,12 +182,13 @@ type Config struct {
 
 	// MaxBatch is the most calls one reserving insert, one completing write, or one read
 	// that starts calls carries. Concurrent calls may reach any of them while the
-	// coordinator already has one in flight. They queue and share the next statement: one
-	// round trip for many keys and, for a write, one commit. A shared write runs in a
-	// transaction of its own with a 50 ms lock_timeout: one that waits longer on one key,
-	// or that the server refuses, rolls back and its calls run one by one (a refused read
-	// too). A call that finds none in flight runs alone at once (a write still under that
-	// lock_timeout), so batching adds no latency without concurrency. A completing write
+	// coordinator already has one in flight (two, for the read). They queue and share the
+	// next statement: one round trip for many keys and, for a write, one commit. A shared
+	// write runs in a transaction of its own with a 50 ms lock_timeout: one that waits
+	// longer on one key, or that the server refuses, rolls back and its calls run one by
+	// one; a shared read that fails also leaves its calls to read one by one. A call that
+	// finds fewer in flight runs alone at once (a write still under that lock_timeout), so
+	// batching adds no latency without concurrency. A completing write
 	// also stops taking calls once their results add up to MaxValueBytes (the first always
 	// goes), so large results do not pile up in one statement. The protocol and its
 	// guarantees are the same either way. Default [MaxBatchDefault] (64); 1 turns batching

@@ -19,48 +19,49 @@ type readRes struct {
 // probe reads what deciding and replaying need of cl's record: what a replay needs in
 // one read, and a record that is not finished (in progress, expired) in full by a second;
 // once cl found one so, its later reads (a waiter's polls) are the full read alone.
-// Concurrent first reads share a round (readRound). Each read, with its wait for a pool
-// connection, is bounded by FinishTimeout: a pool with no connection to spare (its holders
-// waiting on each other) fails the call instead of blocking it for as long as ctx allows,
-// which may be for ever.
+// Concurrent first reads share rounds (c.reads, leadReads). Each read, with its wait for a
+// pool connection, is bounded by FinishTimeout: a pool with no connection to spare (its
+// holders waiting on each other) fails the call instead of blocking it for as long as ctx
+// allows, which may be for ever.
 func (c *Engine) probe(ctx context.Context, cl *Call) (store.Row, error) {
 	if !cl.readInFull {
 		res, err := c.reads.do(ctx, cl)
-		if err == errBatchFallback {
-			res, err = c.readAlone(ctx, cl, false)
+		if err != errBatchFallback { // else the round failed: read alone
+			if err != nil || res.finished {
+				return res.row, err
+			}
+			cl.readInFull = true
 		}
-		if err != nil || res.finished {
-			return res.row, err
-		}
-		cl.readInFull = true
 	}
-	res, err := c.readAlone(ctx, cl, true)
-	return res.row, err
+	return c.readAlone(ctx, cl)
 }
 
-// readAlone reads cl's record on a connection of its own: the slim read, or the full one
-// (Lookup) when full.
-func (c *Engine) readAlone(ctx context.Context, cl *Call, full bool) (readRes, error) {
+// readAlone reads cl's record on a connection of its own: the slim read, unless cl reads in
+// full already, and the full one (Lookup) when the record is not finished.
+func (c *Engine) readAlone(ctx context.Context, cl *Call) (store.Row, error) {
 	rctx, cancel := context.WithTimeout(ctx, c.config.FinishTimeout)
 	defer cancel()
 	conn, err := c.poolConn(rctx)
 	if err != nil {
-		return readRes{}, err
+		return store.Row{}, err
 	}
 	defer conn.Release()
-	return c.readOn(rctx, conn, cl, full)
+	var res readRes
+	if !cl.readInFull {
+		res, err = c.readSlim(rctx, conn, cl)
+	}
+	if err == nil && !res.finished {
+		cl.readInFull = true
+		res.row = store.Row{} // a row deleted meanwhile reads as none: pgx.ErrNoRows
+		err = conn.QueryRow(rctx, c.sql.Lookup, cl.namespace, cl.key).Scan(res.row.ScanTargets(false)...)
+	}
+	return res.row, err
 }
 
-// readOn reads cl's record on q: the slim read, or the full one when full (which reports
-// the row as not finished, whatever it holds: the caller decides from the whole row).
-func (c *Engine) readOn(ctx context.Context, q store.Executor, cl *Call, full bool) (readRes, error) {
+// readSlim runs the slim read of cl's record (Probe) on q.
+func (c *Engine) readSlim(ctx context.Context, q store.Executor, cl *Call) (readRes, error) {
 	var res readRes
-	var err error
-	if full {
-		err = q.QueryRow(ctx, c.sql.Lookup, cl.namespace, cl.key).Scan(res.row.ScanTargets(false)...)
-	} else {
-		err = q.QueryRow(ctx, c.sql.Probe, cl.namespace, cl.key).Scan(res.row.ProbeTargets(&res.finished)...)
-	}
+	err := q.QueryRow(ctx, c.sql.Probe, cl.namespace, cl.key).Scan(res.row.ProbeTargets(&res.finished)...)
 	return res, err
 }
 
@@ -69,8 +70,8 @@ func (c *Engine) readOn(ctx context.Context, q store.Executor, cl *Call, full bo
 // FinishTimeout, as a read alone does, and sends nothing, so those queued stay queued for
 // the next of them to lead (a wait that outlasts FinishTimeout also fails the members
 // queued as long). A round of more than one runs on a context detached from the leader's
-// and bounded by FinishTimeout, so the leader's cancellation fails nobody else's read.
-// Any failure of such a round sends its members to reads of their own.
+// with the same deadline, so the leader's cancellation fails nobody else's read. Any
+// failure of such a round (a panic included) sends its members to reads of their own.
 func (c *Engine) leadReads(ctx context.Context, leader *batchItem[*Call, readRes], take func(time.Duration) []*batchItem[*Call, readRes]) {
 	rctx, cancel := context.WithTimeout(ctx, c.config.FinishTimeout)
 	defer cancel()
@@ -88,30 +89,35 @@ func (c *Engine) leadReads(ctx context.Context, leader *batchItem[*Call, readRes
 	members := take(0)
 	start := time.Now()
 	if len(members) == 0 {
-		leader.res, leader.err = c.readOn(rctx, conn, leader.req, false)
-		if err = leader.err; errors.Is(err, pgx.ErrNoRows) { // no record: the read succeeded
-			err = nil
+		leader.res, leader.err = c.readSlim(rctx, conn, leader.req)
+		if c.config.Round != nil {
+			if err = leader.err; errors.Is(err, pgx.ErrNoRows) { // no record: the read succeeded
+				err = nil
+			}
+			c.observeRound(context.WithoutCancel(ctx), RoundRead, 1, time.Since(start), err)
 		}
-		c.observeRound(rctx, RoundRead, 1, time.Since(start), err)
 		return
 	}
 	items := append([]*batchItem[*Call, readRes]{leader}, members...)
-	dctx, dcancel := context.WithTimeout(context.WithoutCancel(ctx), c.config.FinishTimeout)
+	deadline, _ := rctx.Deadline()
+	dctx, dcancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 	defer dcancel()
 	n := len(items)
 	namespaces, keys := make([]string, n), make([]string, n)
 	for i, it := range items {
 		namespaces[i], keys[i] = it.req.namespace, it.req.key
-		it.res, it.err = readRes{}, pgx.ErrNoRows
 	}
 	err = c.inRound(dctx, conn, c.sql.ProbeMany, []any{namespaces, keys, 1, n}, func(rows pgx.Rows) error {
 		var res readRes
 		return scanOrdinals(rows, n, res.row.ProbeTargets(&res.finished), func(i int) { items[i].res, items[i].err = res, nil })
 	})
 	c.observeRound(dctx, RoundRead, n, time.Since(start), err)
-	if err != nil {
-		for _, it := range items {
+	for _, it := range items {
+		switch {
+		case err != nil:
 			it.res, it.err = readRes{}, errBatchFallback
+		case it.err == errBatchFallback: // the statement returned no row for it
+			it.err = pgx.ErrNoRows
 		}
 	}
 }

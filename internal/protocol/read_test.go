@@ -168,12 +168,12 @@ func TestProbeLeavesTheQueue(t *testing.T) {
 	pool := poolOfOne(t, db)
 	c, err := newTestEngine(pool, Settings{})
 	require.NoError(t, err)
-	conn, err := pool.Acquire(context.Background())
+	conn, err := pool.Acquire(context.Background()) // the leaders wait for this connection
 	require.NoError(t, err)
-	defer conn.Release()
 	calls := readCalls(t, c, "leader-1", "leader-2", "member")
+	var leaders sync.WaitGroup
 	for _, cl := range calls[:2] {
-		go func() { _, _ = c.probe(context.Background(), cl) }()
+		leaders.Go(func() { _, _ = c.probe(context.Background(), cl) })
 	}
 	require.Eventually(t, func() bool {
 		c.reads.mu.Lock()
@@ -190,6 +190,8 @@ func TestProbeLeavesTheQueue(t *testing.T) {
 	cancel()
 	require.ErrorIs(t, <-errc, context.Canceled)
 	require.Zero(t, c.reads.queued())
+	conn.Release()
+	leaders.Wait()
 }
 
 // The round's statement stays prepared, so Postgres may run it from a generic plan made for

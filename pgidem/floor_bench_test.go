@@ -97,20 +97,38 @@ func (s floorSideStats) allocsPerCall() float64 {
 }
 
 // Slices of the cells: each side runs floorSlices slices of floorSliceTime, alternating
-// with the others (the first side rotates from slice to slice), after one warm-up slice
-// each that is not counted.
+// with the others, after one warm-up slice each that is not counted.
 const (
 	floorSlices    = 8
 	floorSliceTime = 500 * time.Millisecond
 )
+
+// floorOrder is the order in which round runs the slices of n sides: a balanced Latin
+// square (Williams) for an even n, so that over n rounds each side runs once in each
+// position and once after each other side, and what one side leaves behind (dirty pages,
+// WAL to flush) falls on each of the others alike; for an odd n, the sides rotate.
+func floorOrder(round, n int) []int {
+	order := make([]int, n)
+	for j := range n {
+		first := j // the first row: 0, 1, n-1, 2, n-2, ...
+		if n%2 == 0 {
+			if j%2 == 1 {
+				first = (j + 1) / 2
+			} else if j > 0 {
+				first = n - j/2
+			}
+		}
+		order[j] = (first + round) % n
+	}
+	return order
+}
 
 // runFloorCell runs sides in alternating slices with callers goroutines each.
 func runFloorCell(b *testing.B, callers int, sides []floorSide) []floorSideStats {
 	ctx := context.Background()
 	stats := make([]floorSideStats, len(sides))
 	for round := -1; round < floorSlices; round++ {
-		for j := range sides {
-			k := (j + max(round, 0)) % len(sides)
+		for _, k := range floorOrder(max(round, 0), len(sides)) {
 			st := runFloorSlice(ctx, b, callers, sides[k])
 			if round >= 0 {
 				stats[k].calls += st.calls
@@ -171,8 +189,10 @@ func BenchmarkFloor(b *testing.B) {
 	coord := newFloorCoordinator(b, pool, pgidem.OrderAdaptive)
 	fn := func(context.Context) (string, error) { return "em_1", nil }
 	prefix := benchsql.KeyPrefix()
-	var seq atomic.Int64 // keys are unique across slices and sides
-	freshKey := func(side string) string { return prefix + side + strconv.FormatInt(seq.Add(1), 10) }
+	// Keys are unique across slices and sides, and every side's land at the same place in
+	// the primary key: the prefix, one zero-padded sequence for all sides, then the side.
+	var seq atomic.Int64
+	freshKey := func(side string) string { return fmt.Sprintf("%s%012d%s", prefix, seq.Add(1), side) }
 	pgidemCall := func(c *pgidem.Coordinator, namespace, key string) error {
 		v, err := pgidem.Do(ctx, c, namespace, key, testTTL, nil, fn)
 		if err == nil && v != "em_1" {

@@ -166,14 +166,11 @@ type Config struct {
 	// the server's count starts after. None of these is sent once another caller could
 	// take the key over, so a restart shorter than the lease runs no effect twice.
 	//
-	// A write that shares a round ([Config.MaxBatch]) first waits for the rounds queued
-	// ahead of it. That is one round, unless more calls or more result bytes are queued
-	// than one round takes. One whose round was refused then runs alone; each is bounded by
-	// FinishTimeout. So a cancelled caller can wait about two to three times FinishTimeout,
-	// or more behind a long queue, when the store is stuck; its heartbeat renews the lease
-	// meanwhile. A read that shares a round waits likewise for the rounds ahead, but
-	// leaves the queue when its context ends; its round, and its own read if the round
-	// failed, are each bounded by FinishTimeout.
+	// A call that shares a round ([Config.MaxBatch]) first waits for the rounds queued
+	// ahead of it: one, unless more calls or result bytes are queued than one takes. One
+	// whose round failed then runs alone; each is bounded by FinishTimeout. So a cancelled
+	// writer can wait two to three times FinishTimeout, or more behind a long queue, when
+	// the store is stuck (its heartbeat renews the lease); a queued reader leaves at once.
 	//
 	// Keep it well above the store's round trip and lock waits: a finishing write cut
 	// short leaves the record in progress until its lease ends, and the effect then runs

@@ -185,11 +185,11 @@ type Config struct {
 	// longer on one key, or that the server refuses, rolls back and its calls run one by
 	// one; a shared read that fails also leaves its calls to read one by one. A call that
 	// finds fewer in flight runs alone at once (a write still under that lock_timeout), so
-	// batching adds no latency without concurrency. A completing write
-	// also stops taking calls once their results add up to MaxValueBytes (the first always
-	// goes), so large results do not pile up in one statement. The protocol and its
-	// guarantees are the same either way. Default [MaxBatchDefault] (64); 1 turns batching
-	// off: every call sends its own statements, without the lock_timeout.
+	// batching adds no latency without concurrency. A completing write also stops taking
+	// calls once their results add up to MaxValueBytes (the first always goes), so large
+	// results do not pile up in one statement. The protocol and its guarantees are the
+	// same either way. Default [MaxBatchDefault] (64); 1 turns batching off: every call
+	// sends its own statements, without the lock_timeout.
 	MaxBatch int
 
 	// Order chooses the statement a [Do] call starts with (DoTx and DoInTx read under an

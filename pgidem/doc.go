@@ -133,9 +133,9 @@
 // [Coordinator.InboxHandle] or [DoInTx] that call Do. With every connection in use, the
 // statements before fn wait for a connection while ctx lasts. When ctx ends first they
 // return its error with nothing sent, with or without [DoOpts.ReserveFirst]. That holds
-// also while queued behind a concurrent call's shared reserving statement that waits for
-// its connection. The reserving statement itself waits at most [Config.FinishTimeout] and
-// then returns a [*StoreError]. Size the pool for the calls in flight.
+// also while queued behind a concurrent call's shared read or reserving statement that
+// waits for its connection. That statement itself waits at most [Config.FinishTimeout]
+// and then returns a [*StoreError]. Size the pool for the calls in flight.
 //
 // # Database effects: DoTx and the inbox
 //
@@ -302,9 +302,9 @@
 // Concurrent calls may reach the read that starts a call, the reserving insert or the
 // completing update while the coordinator already has one in flight. They then share the
 // next statement: one round trip (and, for the writes, one commit) for up to
-// [Config.MaxBatch] keys. A call that finds none in flight runs at once, alone; the
-// protocol is the same either way. Under load from many goroutines
-// (a River queue, an HTTP server) this multiplies throughput; docs/performance.md has the
+// [Config.MaxBatch] keys. A call that finds fewer in flight (one; two for the read) runs
+// at once, alone; the protocol is the same either way. Under load from many goroutines (a
+// River queue, an HTTP server) this multiplies throughput; docs/performance.md has the
 // figures.
 //
 // # Observability

@@ -103,20 +103,22 @@ const (
 	floorSliceTime = 500 * time.Millisecond
 )
 
-// floorOrder is the order in which round runs the slices of n sides: a balanced Latin
-// square (Williams) for an even n, so that over n rounds each side runs once in each
-// position and once after each other side, and what one side leaves behind (dirty pages,
-// WAL to flush) falls on each of the others alike; for an odd n, the sides rotate.
+// floorOrder is the order in which round runs the slices of n sides (n even): a balanced
+// Latin square (Williams), so that over n rounds each side runs once in each position and,
+// within the rounds, once right after each other side. What one side leaves behind (dirty
+// pages, WAL to flush) falls on each of the others alike.
 func floorOrder(round, n int) []int {
+	if n%2 != 0 {
+		panic("floorOrder: an odd number of sides")
+	}
 	order := make([]int, n)
 	for j := range n {
-		first := j // the first row: 0, 1, n-1, 2, n-2, ...
-		if n%2 == 0 {
-			if j%2 == 1 {
-				first = (j + 1) / 2
-			} else if j > 0 {
-				first = n - j/2
-			}
+		first := 0 // the first row: 0, 1, n-1, 2, n-2, ...
+		switch {
+		case j%2 == 1:
+			first = (j + 1) / 2
+		case j > 0:
+			first = n - j/2
 		}
 		order[j] = (first + round) % n
 	}
@@ -192,7 +194,15 @@ func BenchmarkFloor(b *testing.B) {
 	// Keys are unique across slices and sides, and every side's land at the same place in
 	// the primary key: the prefix, one zero-padded sequence for all sides, then the side.
 	var seq atomic.Int64
-	freshKey := func(side string) string { return fmt.Sprintf("%s%012d%s", prefix, seq.Add(1), side) }
+	freshKey := func(side string) string {
+		var buf [64]byte
+		digits := strconv.AppendInt(buf[32:32], seq.Add(1), 10)
+		key := append(buf[:0], prefix...) // 8 characters: the digits start past the padding
+		for range 12 - len(digits) {
+			key = append(key, '0')
+		}
+		return string(append(append(key, digits...), side...))
+	}
 	pgidemCall := func(c *pgidem.Coordinator, namespace, key string) error {
 		v, err := pgidem.Do(ctx, c, namespace, key, testTTL, nil, fn)
 		if err == nil && v != "em_1" {

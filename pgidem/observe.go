@@ -28,9 +28,9 @@ type CallHook interface {
 
 // RoundHook is implemented by a [Hook] that also observes the shared statements (the
 // package doc's "Shared statements"): every round of reserving inserts, of completing
-// writes and of first reads, once its statement returned. [NewCoordinator] checks [Config.Hook] for it. OnRound is
-// called on the round leader's goroutine with the leader's context (detached from its
-// cancellation): fast and safe for concurrent use.
+// writes and of first reads, once its statement returned. [NewCoordinator] checks
+// [Config.Hook] for it. OnRound is called on the round leader's goroutine with the
+// leader's context (detached from its cancellation): fast and safe for concurrent use.
 type RoundHook interface {
 	Hook
 	// OnRound is called once per round, after its statement returned.
@@ -97,7 +97,8 @@ type Round struct {
 	Size int
 	// Latency is the time from sending the statement to reading its last row.
 	Latency time.Duration
-	// Err is the statement's error; the calls then fall back to statements of their own.
+	// Err is the statement's error. The calls of a write round, or of a read round of more
+	// than one, then fall back to statements of their own; a read alone returns it.
 	Err error
 }
 

@@ -38,9 +38,9 @@ type Settings struct {
 	Logger   *slog.Logger
 	// Emit receives every event; nil: none.
 	Emit func(ctx context.Context, kind EventKind, namespace string, count int64)
-	// Round receives every shared round (RoundReserve, RoundComplete, RoundRead) once its statement
-	// returned: how many calls it carried, its latency and its error; nil: none. ctx is
-	// the round leader's (detached from its cancellation).
+	// Round receives every shared round (RoundReserve, RoundComplete, RoundRead) once its
+	// statement returned: how many calls it carried, its latency and its error; nil: none.
+	// ctx is the round leader's (detached from its cancellation).
 	Round func(ctx context.Context, kind RoundKind, size int, latency time.Duration, err error)
 }
 

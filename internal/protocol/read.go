@@ -24,7 +24,7 @@ type readRes struct {
 // holders waiting on each other) fails the call instead of blocking it for as long as ctx
 // allows, which may be for ever.
 func (c *Engine) probe(ctx context.Context, cl *Call) (store.Row, error) {
-	if !cl.readInFull {
+	if !cl.readInFull && c.config.MaxBatch > 1 {
 		res, err := c.reads.do(ctx, cl)
 		if err != errBatchFallback { // else the round failed: read alone
 			if err != nil || res.finished {
@@ -69,11 +69,13 @@ func (c *Engine) readSlim(ctx context.Context, q store.Executor, cl *Call) (read
 // more. ctx is the leader's: the wait for a connection ends with it or after
 // FinishTimeout, as a read alone does, and sends nothing, so those queued stay queued for
 // the next of them to lead (a wait that outlasts FinishTimeout also fails the members
-// queued as long). A round of more than one runs on a context detached from the leader's
-// with the same deadline, so the leader's cancellation fails nobody else's read. Any
-// failure of such a round (a panic included) sends its members to reads of their own.
+// queued as long). A round of more than one runs on a context detached from the leader's,
+// with a deadline FinishTimeout after its wait began, so neither the leader's cancellation
+// nor its deadline fails anybody else's read. Any failure of such a round (a panic
+// included) sends its members to reads of their own.
 func (c *Engine) leadReads(ctx context.Context, leader *batchItem[*Call, readRes], take func(time.Duration) []*batchItem[*Call, readRes]) {
-	rctx, cancel := context.WithTimeout(ctx, c.config.FinishTimeout)
+	deadline := time.Now().Add(c.config.FinishTimeout)
+	rctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	conn, err := c.poolConn(rctx)
 	if err != nil {
@@ -90,7 +92,7 @@ func (c *Engine) leadReads(ctx context.Context, leader *batchItem[*Call, readRes
 	start := time.Now()
 	if len(members) == 0 {
 		leader.res, leader.err = c.readSlim(rctx, conn, leader.req)
-		if c.config.Round != nil {
+		if c.config.Round != nil { // the detached context only when someone observes
 			if err = leader.err; errors.Is(err, pgx.ErrNoRows) { // no record: the read succeeded
 				err = nil
 			}
@@ -99,7 +101,6 @@ func (c *Engine) leadReads(ctx context.Context, leader *batchItem[*Call, readRes
 		return
 	}
 	items := append([]*batchItem[*Call, readRes]{leader}, members...)
-	deadline, _ := rctx.Deadline()
 	dctx, dcancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 	defer dcancel()
 	n := len(items)

@@ -95,25 +95,49 @@ func TestReadRoundReadsManyKeys(t *testing.T) {
 }
 
 // A round the server refuses sends each of its calls to a read of its own, which probe
-// then makes.
+// then makes: every call still gets its record, or none.
 func TestReadRoundRefusedFallsBack(t *testing.T) {
-	c, _ := batchFixture(t)
+	_, db := batchFixture(t)
+	pool := poolOfOne(t, db)
+	c, err := newTestEngine(pool, Settings{})
+	require.NoError(t, err)
 	ctx := context.Background()
-	_, err := doString(ctx, c, "ns", "done", time.Hour, nil, func(context.Context) (string, error) { return "v", nil })
+	_, err = doString(ctx, c, "ns", "done", time.Hour, &Opts{ReserveFirst: true}, func(context.Context) (string, error) { return "v", nil })
 	require.NoError(t, err)
 	sql := *c.sql
 	sql.ProbeMany = strings.Replace(sql.ProbeMany, "unnest(", "no_such_function(", 1)
 	c.sql = &sql
-
-	calls := readCalls(t, c, "done", "none")
-	for _, it := range runReads(c, calls...) {
-		require.ErrorIs(t, it.err, errBatchFallback)
+	var mu sync.Mutex
+	var refused []int
+	c.config.Round = func(_ context.Context, kind RoundKind, size int, _ time.Duration, err error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if kind == RoundRead && err != nil {
+			refused = append(refused, size)
+		}
 	}
-	r, err := c.probe(ctx, calls[0])
+
+	conn, err := pool.Acquire(ctx) // the leaders wait for this connection
 	require.NoError(t, err)
-	require.JSONEq(t, `"v"`, string(r.Result))
-	_, err = c.probe(ctx, calls[1])
-	require.ErrorIs(t, err, pgx.ErrNoRows)
+	calls := readCalls(t, c, "done", "none", "done", "none", "done")
+	results := make([]store.Row, len(calls))
+	errs := make([]error, len(calls))
+	var wg sync.WaitGroup
+	for i, cl := range calls {
+		wg.Go(func() { results[i], errs[i] = c.probe(ctx, cl) })
+	}
+	require.Eventually(t, func() bool { return c.reads.queued() == len(calls)-2 }, 5*time.Second, time.Millisecond)
+	conn.Release()
+	wg.Wait()
+	for i, cl := range calls {
+		if cl.key == "done" {
+			require.NoError(t, errs[i])
+			require.JSONEq(t, `"v"`, string(results[i].Result))
+		} else {
+			require.ErrorIs(t, errs[i], pgx.ErrNoRows)
+		}
+	}
+	require.Equal(t, []int{len(calls) - 1}, refused, "one round of the leader and those queued, refused")
 }
 
 // Reads that arrive while the rounds in flight wait for a connection share the next round.
@@ -235,4 +259,22 @@ func TestReadRoundPlansLikeTheSingleRead(t *testing.T) {
 			require.True(t, many, "%d records: the round looks keys up", size)
 		}
 	}
+}
+
+// MaxBatch 1 turns batching off: each read is a statement of its own, reported as no round.
+func TestProbeWithoutBatching(t *testing.T) {
+	_, db := batchFixture(t)
+	c, err := newTestEngine(db.Pool, Settings{MaxBatch: 1})
+	require.NoError(t, err)
+	c.config.Round = func(_ context.Context, kind RoundKind, _ int, _ time.Duration, _ error) {
+		require.NotEqual(t, RoundRead, kind)
+	}
+	ctx := context.Background()
+	_, err = doString(ctx, c, "ns", "done", time.Hour, &Opts{ReserveFirst: true}, func(context.Context) (string, error) { return "v", nil })
+	require.NoError(t, err)
+	r, err := c.probe(ctx, readCalls(t, c, "done")[0])
+	require.NoError(t, err)
+	require.JSONEq(t, `"v"`, string(r.Result))
+	_, err = c.probe(ctx, readCalls(t, c, "none")[0])
+	require.ErrorIs(t, err, pgx.ErrNoRows)
 }

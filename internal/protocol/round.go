@@ -20,19 +20,21 @@ var errBatchFallback = errors.New("pgidem: batch rolled back; run alone")
 
 // batchItem is one caller's request in a batcher and, once its round ran, the outcome.
 type batchItem[Req, Res any] struct {
-	req    Req
-	res    Res
-	err    error
-	wake   chan bool // made when it queues; receives false when res and err are set, true when it leads the next round
+	req Req
+	res Res
+	err error
+	// wake is made when the caller queues. It receives false when res and err are set,
+	// true when the caller leads the next round.
+	wake   chan bool
 	queued time.Time // when it joined the queue
 }
 
-// batcher groups concurrent requests for one statement. At most rounds rounds run at a
-// time (one when rounds is 0): run is called by the leading caller with its own item, and calls take (at most once)
-// when it is about to send, for the queued requests the round carries (take(d) with d > 0
-// takes only those queued for d or longer); it sets the leader's and each taken item's
-// res or err. An item left with errBatchFallback runs
-// alone. Requests run does not take stay queued, and the next of them leads a round.
+// batcher groups concurrent requests for one statement, running up to rounds rounds at a
+// time. run is called by the leading caller with its own item, and calls take (at most
+// once) when it is about to send, for the queued requests the round carries (take(d) with
+// d > 0 takes only those queued for d or longer); it sets the leader's and each taken
+// item's res or err. An item left with errBatchFallback runs alone. Requests run does not
+// take stay queued, and the next of them leads a round.
 type batcher[Req, Res any] struct {
 	max int // the most requests a round carries; 1: every call runs alone, at once
 	// rounds is the most rounds running at once; 0 counts as 1. A caller that finds fewer

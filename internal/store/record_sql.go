@@ -283,7 +283,7 @@ UNION ALL
 SELECT *, false FROM target WHERE NOT EXISTS (SELECT 1 FROM deleted)`),
 
 		// The read that starts a call: only what a replay needs, since a replay is this
-		// one statement (probeColumns).
+		// one read, alone or as its share of ProbeMany (probeColumns).
 		Probe: r.Replace(`SELECT ` + probeColumns + ` FROM {t} WHERE namespace = $1 AND key = $2`),
 
 		// Probe for many keys: $1 and $2 are arrays, one element per call, and $3 and $4
@@ -294,6 +294,8 @@ SELECT *, false FROM target WHERE NOT EXISTS (SELECT 1 FROM deleted)`),
 		// selectivity of a range), so it looks each key up in the primary key from the
 		// same table size on as the single-key read does (a few pages), rather than
 		// hashing a scan of the table until the table outgrows a hundred arrays' worth.
+		// (Planning each execution, as the completing round does, would cost a read round
+		// more than it saves.)
 		ProbeMany: r.Replace(`SELECT i.ord, ` + probeColumns + `
 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS i(namespace, key, ord)
 JOIN {t} r ON r.namespace = i.namespace AND r.key = i.key

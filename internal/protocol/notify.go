@@ -117,10 +117,19 @@ func (l *listener) stopIdle(gen uint64) {
 		return
 	}
 	done := l.done
-	l.stop() // under l.mu: the stopped listener takes no key change meant for its successor
-	l.stop, l.done, l.idle, l.wait = nil, nil, nil, nil
+	l.forget()
 	l.mu.Unlock()
 	<-done
+}
+
+// forget stops the current listener and forgets it, under l.mu: the stopped listener
+// takes no key change meant for its successor.
+func (l *listener) forget() {
+	l.stop()
+	if l.idle != nil {
+		l.idle.Stop()
+	}
+	l.stop, l.done, l.idle, l.wait = nil, nil, nil, nil
 }
 
 // listen holds a connection of its own (the pool's settings, outside the pool) that
@@ -146,7 +155,7 @@ func (c *Engine) listen(ctx context.Context, done chan struct{}) {
 		return
 	}
 	if err := conn.QueryRow(ctx, store.BackendPID).Scan(&pid); err != nil {
-		c.listenFailed(ctx, "LISTEN", err)
+		c.listenFailed(ctx, "backend pid", err)
 		return
 	}
 	held := map[string]*interest{} // the keys whose interest lock the connection holds
@@ -183,11 +192,7 @@ func (l *listener) ended(ctx context.Context, done chan struct{}) {
 	if l.done != done {
 		return
 	}
-	l.stop()
-	if l.idle != nil {
-		l.idle.Stop()
-	}
-	l.stop, l.done, l.idle, l.wait = nil, nil, nil, nil
+	l.forget()
 	l.retryAt = time.Now().Add(listenRetry)
 }
 
